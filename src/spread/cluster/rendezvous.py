@@ -1,0 +1,223 @@
+"""Bring up the process group: store, job-token handshake, arrival check, then torch.distributed.
+
+Why not a bare ``init_process_group("gloo")``: it binds the store to every interface, cannot tell a
+stray process from the job's own, waits silently for ranks that never start, and under
+``torchrun --max-restarts`` the restarted attempt reads the dead attempt's addresses from the agent's
+store. Here:
+
+* rank 0 hosts a ``TCPStore`` on a socket bound to ``MASTER_ADDR`` (loopback by default), or on the
+  listening socket the launcher passed down (no free-port race);
+* every key lives under ``spread/<attempt>/``, so restarted attempts never meet stale keys;
+* rank 0 publishes a nonce and an HMAC of it under the job token; other ranks verify it before they
+  write anything, so a process with the wrong token is refused and leaves no trace in the job;
+* each rank announces itself; a rank that does not arrive within ``init_timeout`` is named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spread.cluster.spec import ClusterSpec
+from spread.errors import JobTokenError, RendezvousError
+
+TOKEN_ENV = "SPREAD_JOB_TOKEN"
+_DEFAULT_TOKEN = "spread-default-job-token"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RendezvousError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise RendezvousError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+def default_init_timeout() -> float:
+    """Seconds to wait for all ranks to join (``SPREAD_INIT_TIMEOUT``, default 120)."""
+    return _env_seconds("SPREAD_INIT_TIMEOUT", 120.0)
+
+
+def default_collective_timeout() -> float:
+    """Seconds a collective may block before it fails (``SPREAD_COLLECTIVE_TIMEOUT``, default 300)."""
+    return _env_seconds("SPREAD_COLLECTIVE_TIMEOUT", 300.0)
+
+
+def _proof(token: str, nonce: str) -> str:
+    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+@dataclass
+class Rendezvous:
+    """A joined job: the store (namespaced to this attempt and token) and the default process group."""
+
+    spec: ClusterSpec
+    store: dist.Store
+    backend: str
+    _tcp_store: dist.TCPStore | None = None
+    _owns_group: bool = True
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def close(self) -> None:
+        """Destroy the process group this rendezvous created; safe to call twice."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+
+def _open_store(spec: ClusterSpec, timeout: float) -> dist.TCPStore:
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    host, port = spec.master_addr, spec.master_port
+    if spec.rank == 0 and not agent_store:
+        fd = spec.store_fd
+        listener = None
+        if fd is None:
+            # Bind ourselves so the store listens on MASTER_ADDR only (TCPStore alone binds all interfaces).
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind((host, port))
+            except OSError as exc:
+                listener.close()
+                raise RendezvousError(
+                    f"rank 0: cannot listen on {host}:{port} for the rendezvous store: {exc}"
+                ) from exc
+            listener.listen(128)
+            fd = listener.fileno()
+            port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+        if listener is not None:
+            store._spread_listener = listener  # type: ignore[attr-defined]  # keep the fd alive
+        return store
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            return dist.TCPStore(
+                host, port, None, False, timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            )
+        except (RuntimeError, ValueError) as exc:  # connection refused until rank 0 is up
+            last_error = exc
+            time.sleep(0.05)
+    raise RendezvousError(
+        f"rank {spec.rank}: could not reach the rendezvous store at {host}:{port} within {timeout:.0f}s "
+        f"(is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?): {last_error}"
+    )
+
+
+def _check_token(store: dist.Store, spec: ClusterSpec, token: str, timeout: float) -> None:
+    if spec.rank == 0:
+        nonce = secrets.token_hex(16)
+        store.set("nonce", nonce)
+        store.set("proof", _proof(token, nonce))
+        return
+    try:
+        store.wait(["proof"], timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise RendezvousError(
+            f"rank {spec.rank}: rank 0 did not publish the job handshake within {timeout:.0f}s"
+        ) from exc
+    nonce = store.get("nonce").decode()
+    expected = store.get("proof").decode()
+    if not hmac.compare_digest(_proof(token, nonce), expected):
+        raise JobTokenError(
+            f"rank {spec.rank}: refused by the job at {spec.master_addr}:{spec.master_port}: this process's "
+            f"{TOKEN_ENV} does not match the job's. Start every process of a job with the same token "
+            f"(`spread run` sets it for local jobs)."
+        )
+
+
+def _announce_and_wait(store: dist.Store, spec: ClusterSpec, timeout: float) -> None:
+    me = {"world_size": spec.world_size, "pid": os.getpid(), "host": socket.gethostname()}
+    store.set(f"arrived/{spec.rank}", json.dumps(me))
+    keys = [f"arrived/{r}" for r in range(spec.world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:
+        missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
+        raise RendezvousError(
+            f"rank {spec.rank}: rank(s) {missing} of {spec.world_size} did not join within {timeout:.0f}s "
+            f"at {spec.master_addr}:{spec.master_port}"
+        ) from None
+    sizes = {r: json.loads(store.get(k))["world_size"] for r, k in enumerate(keys)}
+    if len(set(sizes.values())) > 1:
+        raise RendezvousError(f"rank {spec.rank}: ranks disagree on WORLD_SIZE: {sizes}")
+
+
+def default_backend(device: torch.device | None = None) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    if device is not None and device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def rendezvous(
+    spec: ClusterSpec,
+    *,
+    backend: str = "gloo",
+    init_timeout: float | None = None,
+    collective_timeout: float | None = None,
+    token: str | None = None,
+) -> Rendezvous:
+    """Join the job described by ``spec`` and initialise the default process group.
+
+    Raises :class:`JobTokenError` when the token does not match, :class:`RendezvousError` when the
+    store is unreachable, ranks are missing after ``init_timeout`` seconds, or ranks disagree on the
+    world size. Must be called once per process, by every rank of the training group.
+    """
+    if dist.is_initialized():
+        raise RendezvousError("torch.distributed is already initialised in this process")
+    init_timeout = init_timeout or default_init_timeout()
+    collective_timeout = collective_timeout or default_collective_timeout()
+    token = token if token is not None else os.environ.get(TOKEN_ENV, _DEFAULT_TOKEN)
+    if _is_loopback(spec.master_addr):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tcp = _open_store(spec, init_timeout)
+    attempt_store = dist.PrefixStore(f"spread/{spec.restart_count}", tcp)
+    _check_token(attempt_store, spec, token, init_timeout)
+    namespace = hashlib.sha256(token.encode()).hexdigest()[:16]
+    job_store = dist.PrefixStore(namespace, attempt_store)
+    _announce_and_wait(job_store, spec, init_timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", job_store),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=collective_timeout),
+    )
+    return Rendezvous(spec=spec, store=job_store, backend=backend, _tcp_store=tcp)

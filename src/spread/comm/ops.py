@@ -1,0 +1,135 @@
+"""Collectives over a process group that fail loudly: every error names the rank, the operation and
+its sequence number, and says whether a peer was lost or the deadline passed.
+
+A hang is a bug: the deadline is the process group's timeout (set at rendezvous), and gloo raises
+when it passes; this module turns gloo's and NCCL's messages into :class:`CollectiveTimeout` and
+:class:`PeerLostError` so callers (and tests) can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_LOST_MARKERS = ("connection closed", "connection reset", "broken pipe", "connection refused", "eof")
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+
+
+def _classify(rank: int, op: str, seq: int, exc: BaseException) -> CollectiveError:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lower = str(exc).lower()
+    if any(m in lower for m in _TIMEOUT_MARKERS):
+        return CollectiveTimeout(rank, op, seq, f"no answer from a peer before the deadline ({text})")
+    if any(m in lower for m in _LOST_MARKERS):
+        return PeerLostError(rank, op, seq, f"a peer process went away ({text})")
+    return CollectiveError(rank, op, seq, text)
+
+
+class Collectives:
+    """The collectives a strategy needs, over one process group, with counted, named failures."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = device  # where small bookkeeping tensors live (NCCL needs them on the GPU)
+        self._seq = itertools.count()
+
+    @contextmanager
+    def _guard(self, op: str):
+        seq = next(self._seq)
+        try:
+            yield seq
+        except CollectiveError:
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            raise _classify(self.rank, op, seq, exc) from exc
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, name: str = "all_reduce") -> torch.Tensor:
+        """Reduce ``tensor`` in place across ranks (``op`` in sum, max, min) and return it."""
+        if self.world_size == 1:
+            return tensor
+        with self._guard(name):
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group)
+        return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, name: str = "all_reduce") -> PendingCollective:
+        """Start a sum all-reduce; call ``wait()`` on the result before reading ``tensor``."""
+        seq = next(self._seq)
+        if self.world_size == 1:
+            return PendingCollective(None, self.rank, name, seq)
+        try:
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise _classify(self.rank, name, seq, exc) from exc
+        return PendingCollective(work, self.rank, name, seq)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str = "broadcast") -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        with self._guard(name):
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, name: str = "all_gather") -> list[torch.Tensor]:
+        """Gather equally shaped tensors from every rank, in rank order."""
+        if self.world_size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._guard(name):
+            dist.all_gather(out, tensor.contiguous(), group=self.group)
+        return out
+
+    def all_gather_uneven(self, tensor: torch.Tensor, *, name: str = "all_gather") -> list[torch.Tensor]:
+        """Gather tensors whose first dimension differs across ranks (sizes exchanged first)."""
+        if self.world_size == 1:
+            return [tensor]
+        size = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+        sizes = [int(s.item()) for s in self.all_gather(size, name=f"{name}.sizes")]
+        longest = max(sizes)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = self.all_gather(padded, name=name)
+        return [part[:n] for part, n in zip(parts, sizes, strict=True)]
+
+    def barrier(self, *, name: str = "barrier") -> None:
+        if self.world_size == 1:
+            return
+        flag = torch.zeros(1, device=self.device)
+        self.all_reduce(flag, name=name)
+
+    def check_same(self, values: Sequence[int], *, what: str) -> None:
+        """Raise on every rank if ``values`` differ across ranks (e.g. a model signature)."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        lo, hi = mine.clone(), mine.clone()
+        self.all_reduce(lo, "min", name=f"check_same[{what}]")
+        self.all_reduce(hi, "max", name=f"check_same[{what}]")
+        if not torch.equal(lo, hi):
+            raise CollectiveError(self.rank, f"check_same[{what}]", -1, f"ranks disagree on {what}")
+
+
+class PendingCollective:
+    """An asynchronous collective in flight; ``wait()`` raises the same named errors as the sync ones."""
+
+    def __init__(self, work: dist.Work | None, rank: int, name: str, seq: int) -> None:
+        self._work, self._rank, self._name, self._seq = work, rank, name, seq
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except (RuntimeError, dist.DistError) as exc:
+            raise _classify(self._rank, self._name, self._seq, exc) from exc
+        finally:
+            self._work = None

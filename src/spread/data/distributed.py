@@ -1,0 +1,304 @@
+"""A dataset distributed over replicas: per-replica batches cut from one global batch.
+
+What the strategy gets from it, besides the batches: for every step, how many samples each local
+replica holds and how many the global batch holds (:class:`StepInfo`). Gradients are weighted by
+those counts, which is what makes an uneven final batch give the same update as one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from spread.data.sharding import ShardPolicy, epoch_order, global_batches, split_sizes
+from spread.values import stack_replicas
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """Sample counts of one step: per local replica, and for the whole global batch."""
+
+    local_sizes: tuple[int, ...]
+    global_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLayout:
+    """Which replicas this process drives: ``local_replicas`` out of ``num_replicas`` in total."""
+
+    num_replicas: int
+    first_local_replica: int
+    num_local_replicas: int
+    process_index: int = 0
+    num_processes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.num_local_replicas < 1:
+            raise ValueError(f"replica counts must be >= 1, got {self}")
+        if not 0 <= self.first_local_replica <= self.num_replicas - self.num_local_replicas:
+            raise ValueError(f"local replicas out of range: {self}")
+
+
+class _TensorBatches(Dataset):
+    """Index a TensorDataset by a whole batch at once (one gather per tensor, no Python loop)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = tuple(tensors)
+
+    def __len__(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def __getitem__(self, i: int):
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]):
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return tuple(t.index_select(0, idx) for t in self.tensors)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _as_dataset(data: Any) -> tuple[Any, Callable[[Any], Any] | None, int]:
+    """Accept a Dataset, an IterableDataset, a DataLoader, a tensor tuple or an iterable."""
+    num_workers = 0
+    collate: Callable[[Any], Any] | None = None
+    if isinstance(data, DataLoader):
+        num_workers, collate, data = data.num_workers, data.collate_fn, data.dataset
+    if isinstance(data, tuple) and data and all(isinstance(t, torch.Tensor) for t in data):
+        data = TensorDataset(*data)
+    if isinstance(data, torch.Tensor):
+        data = TensorDataset(data)
+    if isinstance(data, TensorDataset) and collate in (None, default_collate):
+        return _TensorBatches(data.tensors), _identity, num_workers
+    return data, collate, num_workers
+
+
+class DistributedDataset:
+    """Iterable over the local part of each global batch; one pass is one epoch.
+
+    Each ``iter()`` starts the next epoch (reshuffled with the shared seed) unless :meth:`set_epoch`
+    chose it. Yields a batch for a process with one replica, and a structure of
+    :class:`~spread.values.PerReplica` leaves for several. ``state_dict()`` records the epoch and the
+    batches already consumed so a restarted run resumes at the exact next sample.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        global_batch_size: int,
+        layout: ReplicaLayout,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = False,
+        shard_policy: str | ShardPolicy = ShardPolicy.AUTO,
+        devices: Sequence[torch.device] | None = None,
+        num_workers: int | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> None:
+        if not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+        if global_batch_size < layout.num_replicas:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is smaller than the {layout.num_replicas} replicas: "
+                f"every replica needs at least one sample per step"
+            )
+        self.dataset, collate, loader_workers = _as_dataset(data)
+        self.collate_fn = collate or default_collate
+        self.num_workers = loader_workers if num_workers is None else num_workers
+        self.global_batch_size = global_batch_size
+        self.layout = layout
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        self.devices = list(devices) if devices else [torch.device("cpu")] * layout.num_local_replicas
+        self.on_step = on_step
+        policy = ShardPolicy.parse(shard_policy)
+        if policy is ShardPolicy.AUTO:
+            policy = ShardPolicy.FILE if hasattr(self.dataset, "shard") else ShardPolicy.DATA
+        if policy is ShardPolicy.FILE and not hasattr(self.dataset, "shard"):
+            raise ValueError("shard_policy='file' needs a dataset with a shard(num_shards, index) method")
+        self.shard_policy = policy
+        self._map_style = not isinstance(self.dataset, IterableDataset) and hasattr(self.dataset, "__len__")
+        if self._map_style and policy is ShardPolicy.DATA:
+            n = len(self.dataset)
+            if n < layout.num_replicas:
+                raise ValueError(
+                    f"the dataset holds {n} sample(s) but there are {layout.num_replicas} replicas: "
+                    f"every replica needs at least one sample"
+                )
+        self._epoch = 0
+        self._batch = 0  # batches consumed in the current epoch
+        self._resume_batch = 0
+
+    # -- epochs and state --------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch (and so the shuffle) of the next iteration."""
+        self._epoch = epoch
+        self._resume_batch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batch": self._batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration continues epoch ``state['epoch']`` after ``state['batch']`` batches."""
+        self._epoch = int(state["epoch"])
+        self._resume_batch = int(state["batch"])
+
+    def __len__(self) -> int:
+        if not self._map_style:
+            raise TypeError("the length of a distributed iterable dataset is unknown")
+        if self.shard_policy is ShardPolicy.DATA:
+            return global_batches(len(self.dataset), self.global_batch_size, self.drop_remainder)
+        local = self.dataset if self.shard_policy is ShardPolicy.OFF else self._file_shard()
+        per_replica = self.global_batch_size // self.layout.num_replicas
+        return global_batches(len(local), per_replica * self.layout.num_local_replicas, self.drop_remainder)
+
+    # -- iteration -----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self._epoch, self._resume_batch
+        self._resume_batch = 0
+        self._batch = start
+        if self._map_style and self.shard_policy is ShardPolicy.DATA:
+            plan = self._data_plan(epoch, start)
+            source = self._map_source(plan)
+        elif self._map_style:
+            plan = self._local_plan(epoch, start)
+            source = self._map_source(plan)
+        else:
+            source = self._iterable_source(start)
+        try:
+            for local_batch, sizes, global_size in source:
+                self._batch += 1
+                info = StepInfo(tuple(sizes), global_size)
+                if self.on_step is not None:
+                    self.on_step(info)
+                yield self._per_replica(local_batch, sizes)
+        finally:  # finished or abandoned: the next iteration is the next epoch (as in tf.data)
+            self._epoch = epoch + 1
+            self._batch = 0
+
+    def _data_plan(self, epoch: int, start: int) -> list[tuple[list[int], list[int], int]]:
+        n, gbs, lay = len(self.dataset), self.global_batch_size, self.layout
+        order = epoch_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch)
+        plan = []
+        for b in range(start, global_batches(n, gbs, self.drop_remainder)):
+            chunk = order[b * gbs : min((b + 1) * gbs, n)]
+            sizes = split_sizes(len(chunk), lay.num_replicas)
+            lo = sum(sizes[: lay.first_local_replica])
+            local_sizes = sizes[lay.first_local_replica : lay.first_local_replica + lay.num_local_replicas]
+            plan.append((chunk[lo : lo + sum(local_sizes)].tolist(), local_sizes, len(chunk)))
+        return plan
+
+    def _file_shard(self) -> Any:
+        lay = self.layout
+        return self.dataset.shard(lay.num_processes, lay.process_index)
+
+    def _local_plan(self, epoch: int, start: int) -> list[tuple[list[int], list[int], int]]:
+        """FILE and OFF policies: batches from this process's own (shard of the) data."""
+        lay = self.layout
+        if self.shard_policy is ShardPolicy.FILE:
+            self.dataset = self._file_shard()
+            self.shard_policy = ShardPolicy.OFF  # the dataset is now the local shard
+        per_replica = self.global_batch_size // lay.num_replicas
+        local_bs = per_replica * lay.num_local_replicas
+        n = len(self.dataset)
+        order = epoch_order(n, shuffle=self.shuffle, seed=self.seed + 7919 * lay.process_index, epoch=epoch)
+        plan = []
+        for b in range(start, global_batches(n, local_bs, self.drop_remainder)):
+            chunk = order[b * local_bs : min((b + 1) * local_bs, n)]
+            sizes = split_sizes(len(chunk), lay.num_local_replicas)
+            plan.append((chunk.tolist(), sizes, -1))
+        return plan
+
+    def _map_source(self, plan: list[tuple[list[int], list[int], int]]) -> Iterator[tuple[Any, list[int], int]]:
+        nonempty = [indices for indices, _, _ in plan if indices]
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=nonempty,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            persistent_workers=False,
+        )
+        batches = iter(loader)
+        for indices, sizes, global_size in plan:
+            batch = next(batches) if indices else self._empty_batch()
+            if global_size < 0:  # local policies: the global count is the sum over processes; unknown
+                global_size = sum(sizes) * self.layout.num_processes
+            yield batch, sizes, global_size
+
+    def _empty_batch(self) -> Any:
+        one = self.collate_fn(self.dataset.__getitems__([0])) if hasattr(self.dataset, "__getitems__") else (
+            self.collate_fn([self.dataset[0]])
+        )
+        return pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+    def _iterable_source(self, start: int) -> Iterator[tuple[Any, list[int], int]]:
+        lay, gbs = self.layout, self.global_batch_size
+        data: Iterable[Any] = self.dataset
+        if self.shard_policy is ShardPolicy.FILE:
+            data = self._file_shard()
+            per = gbs // lay.num_replicas * lay.num_local_replicas
+            step_size, keep_all = per, True
+        else:
+            step_size, keep_all = gbs, self.shard_policy is ShardPolicy.OFF
+            if keep_all:
+                step_size = gbs // lay.num_replicas * lay.num_local_replicas
+        buffer: list[Any] = []
+        index = 0
+        for item in data:
+            buffer.append(item)
+            if len(buffer) == step_size:
+                if index >= start:
+                    yield self._cut(buffer, keep_all)
+                index += 1
+                buffer = []
+        if buffer and not self.drop_remainder and index >= start:
+            yield self._cut(buffer, keep_all)
+
+    def _cut(self, items: list[Any], keep_all: bool) -> tuple[Any, list[int], int]:
+        lay = self.layout
+        if keep_all:
+            sizes = split_sizes(len(items), lay.num_local_replicas)
+            return self.collate_fn(items), sizes, len(items) * lay.num_processes
+        sizes = split_sizes(len(items), lay.num_replicas)
+        lo = sum(sizes[: lay.first_local_replica])
+        local_sizes = sizes[lay.first_local_replica : lay.first_local_replica + lay.num_local_replicas]
+        local = items[lo : lo + sum(local_sizes)]
+        batch = self.collate_fn(local) if local else self._empty_from(items[:1])
+        return batch, local_sizes, len(items)
+
+    def _empty_from(self, sample: list[Any]) -> Any:
+        return pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, self.collate_fn(sample))
+
+    def _per_replica(self, local_batch: Any, sizes: Sequence[int]) -> Any:
+        """Split the process's batch into its local replicas' batches and move each to its device."""
+        if len(sizes) == 1:
+            return _to_device(local_batch, self.devices[0])
+        parts = [
+            _to_device(part, dev)
+            for part, dev in zip(_split_structure(local_batch, list(sizes)), self.devices, strict=True)
+        ]
+        return stack_replicas(parts)
+
+
+def _split_structure(batch: Any, sizes: list[int]) -> list[Any]:
+    leaves, spec = pytree.tree_flatten(batch)
+    split_leaves = [
+        torch.split(leaf, sizes) if isinstance(leaf, torch.Tensor) else [leaf] * len(sizes) for leaf in leaves
+    ]
+    return [pytree.tree_unflatten([parts[i] for parts in split_leaves], spec) for i in range(len(sizes))]
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    return pytree.tree_map(
+        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch
+    )

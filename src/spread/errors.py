@@ -1,0 +1,68 @@
+"""One family of exceptions, each saying what went wrong and what to do about it.
+
+Every error raised on purpose by spread derives from :class:`SpreadError`, so callers can catch the
+family; the subclasses carry the fields (rank, operation, variable) that tests and tooling read.
+"""
+
+from __future__ import annotations
+
+
+class SpreadError(RuntimeError):
+    """Base class for errors raised by spread."""
+
+
+class ClusterSpecError(SpreadError, ValueError):
+    """The cluster description (env vars, TF_CONFIG, SLURM, CLI flags) is malformed.
+
+    ``variable`` names the environment variable or flag, ``field`` the part of it that is wrong.
+    """
+
+    def __init__(self, variable: str, field: str, problem: str) -> None:
+        self.variable = variable
+        self.field = field
+        self.problem = problem
+        where = variable if not field else f"{variable}: field {field!r}"
+        super().__init__(f"malformed cluster spec in {where}: {problem}")
+
+
+class RendezvousError(SpreadError):
+    """Processes could not meet: unreachable store, missing ranks, mismatched world sizes."""
+
+
+class JobTokenError(RendezvousError):
+    """This process's job token does not match the job it tried to join."""
+
+
+class CollectiveError(SpreadError):
+    """A collective operation failed; names this rank, the operation and its sequence number."""
+
+    def __init__(self, rank: int, op: str, seq: int, detail: str, *, peer: int | None = None) -> None:
+        self.rank = rank
+        self.op = op
+        self.seq = seq
+        self.peer = peer
+        self.detail = detail
+        who = f"rank {rank}: {op} #{seq}"
+        if peer is not None:
+            who += f" (peer rank {peer})"
+        super().__init__(f"{who} failed: {detail}")
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete within the timeout (a peer is slow, hung or skipped it)."""
+
+
+class PeerLostError(CollectiveError):
+    """A peer process closed its connection mid-collective (it died or exited early)."""
+
+
+class CheckpointCorruptError(SpreadError):
+    """A checkpoint failed verification; ``path`` names the file or directory."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        super().__init__(f"checkpoint {path} is unusable: {problem}")
+
+
+class NonFiniteLossError(SpreadError, FloatingPointError):
+    """The loss became NaN or infinite and the policy is to stop."""

@@ -1,0 +1,28 @@
+"""Strategies: one API (scope, run, reduce, gather, distribute_dataset) over many ways to distribute.
+
+Glossary: a *replica* is one copy of the computation fed a slice of each global batch; a *worker*
+is a process driving one or more replicas; code inside ``strategy.run`` is in *replica context*,
+the training loop around it in *cross-replica context*.
+"""
+
+from spread.strategies.base import Strategy, SupportsNoSync
+from spread.strategies.context import ReplicaContext, get_replica_context, get_strategy
+from spread.strategies.mirrored import MirroredStrategy
+from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from spread.strategies.one_device import OneDeviceStrategy
+from spread.strategies.registry import STRATEGIES, make_strategy
+from spread.values import PerReplica
+
+__all__ = [
+    "STRATEGIES",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReplicaContext",
+    "Strategy",
+    "SupportsNoSync",
+    "get_replica_context",
+    "get_strategy",
+    "make_strategy",
+]

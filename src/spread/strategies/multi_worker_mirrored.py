@@ -1,0 +1,200 @@
+"""MultiWorkerMirroredStrategy: one process per replica, in lock-step, over torch.distributed.
+
+The cluster comes from the environment (``spread run``, torchrun, ``TF_CONFIG`` or SLURM). The
+chief's initial weights are broadcast when the scope exits; afterwards every backward pass ends with
+a bucketed all-reduce of the gradients, weighted by each replica's share of the global batch, so the
+optimizer step that follows is the same on every replica as on one device with the whole batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spread.cluster import ClusterSpec, resolve_cluster
+from spread.cluster.rendezvous import Rendezvous, default_backend, rendezvous
+from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
+from spread.data import ReplicaLayout, StepInfo
+from spread.errors import SpreadError
+from spread.strategies.base import Strategy, SupportsNoSync, check_reduce_op
+from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.values import PerReplica
+
+COMMUNICATIONS = ("auto", "native")
+
+
+class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
+    """Synchronous data parallelism with one replica per process.
+
+    Args:
+        communication: the all-reduce algorithm; ``"auto"`` or ``"native"`` (the backend's own:
+            gloo on CPU, NCCL on GPU).
+        cluster: the cluster spec; default: resolved from the environment.
+        bucket_cap_mb: size of a gradient bucket (one all-reduce each).
+        init_timeout: seconds for all ranks to join (default ``SPREAD_INIT_TIMEOUT`` or 120).
+        collective_timeout: seconds before a stuck collective fails naming the rank and operation
+            (default ``SPREAD_COLLECTIVE_TIMEOUT`` or 300).
+    """
+
+    def __init__(
+        self,
+        communication: str = "auto",
+        *,
+        cluster: ClusterSpec | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        init_timeout: float | None = None,
+        collective_timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        if communication not in COMMUNICATIONS:
+            raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        self.communication = communication
+        self.bucket_cap_mb = bucket_cap_mb
+        self.cluster = cluster if cluster is not None else resolve_cluster()
+        if self.cluster.rank < 0:
+            raise SpreadError(
+                f"a {self.cluster.role} task is not part of synchronous training; "
+                f"MultiWorkerMirroredStrategy runs on chief and worker tasks only"
+            )
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        self._rendezvous: Rendezvous | None = None
+        if not dist.is_initialized():
+            self._rendezvous = rendezvous(
+                self.cluster,
+                backend=default_backend(self._device),
+                init_timeout=init_timeout,
+                collective_timeout=collective_timeout,
+            )
+        elif dist.get_world_size() != self.cluster.world_size:
+            raise SpreadError(
+                f"the existing process group has {dist.get_world_size()} ranks but the cluster spec says "
+                f"{self.cluster.world_size}"
+            )
+        self.collectives = Collectives(device=self._device)
+        self._reducer: GradientReducer | None = None
+
+    # -- topology ----------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.collectives.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self.collectives.rank == 0
+
+    @property
+    def _layout(self) -> ReplicaLayout:
+        world, rank = self.collectives.world_size, self.collectives.rank
+        return ReplicaLayout(world, rank, 1, process_index=rank, num_processes=world)
+
+    # -- variables ---------------------------------------------------------------------------------
+    def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        tensors = [*params, *buffers]
+        self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
+        _broadcast_flat(self.collectives, tensors)
+        if self._reducer is not None:
+            self._reducer.close()
+        self._reducer = GradientReducer(
+            self.managed_parameters, self.collectives, bucket_cap_mb=self.bucket_cap_mb
+        )
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self._reducer is None:
+            yield
+            return
+        with self._reducer.no_sync():
+            yield
+
+    def _set_step_info(self, info: StepInfo) -> None:
+        super()._set_step_info(info)
+        if self._reducer is not None:
+            self._reducer.grad_scale = self._replica_weights()[0]
+
+    # -- computation -------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        if get_replica_context() is not None:
+            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
+        weight = self._replica_weights()[0]
+        if self._reducer is not None:
+            self._reducer.grad_scale = weight
+        _set_replica_context(ReplicaContext(self, self.rank, self.num_replicas_in_sync, weight))
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            _set_replica_context(None)
+            self._step_info = None
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        op = check_reduce_op(op)
+        if axis is not None:
+            gathered = self.gather(value, axis=axis)
+            return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
+        tensor = _local_tensor(value, self.device).detach().clone()
+        self.collectives.all_reduce(tensor, name=f"reduce[{op}]")
+        return tensor if op == "sum" else tensor / self.num_replicas_in_sync
+
+    def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
+        tensor = _local_tensor(value, self.device).detach()
+        moved = tensor.movedim(axis, 0).contiguous()
+        parts = self.collectives.all_gather_uneven(moved, name="gather")
+        return torch.cat(parts, dim=0).movedim(0, axis)
+
+    def close(self) -> None:
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+        super().close()
+
+
+def _signature(tensors: list[torch.Tensor]) -> list[int]:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    return [len(tensors), sum(t.numel() for t in tensors), int.from_bytes(digest.digest()[:7], "big")]
+
+
+def _broadcast_flat(collectives: Collectives, tensors: list[torch.Tensor]) -> None:
+    """Make every rank's tensors equal to rank 0's, one broadcast per (device, dtype) group."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            collectives.broadcast(flat, src=0, name="broadcast_initial_weights")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _local_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, PerReplica):
+        (value,) = value.values
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return torch.as_tensor(value, device=device)

@@ -1,0 +1,68 @@
+"""One replica on one device: the reference every synchronous strategy must match, and the way to
+run a spread script without any distribution (testing, debugging, a laptop)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from spread.data import ReplicaLayout
+from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.values import PerReplica
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class OneDeviceStrategy(Strategy):
+    """Everything on ``device`` (default: the current CUDA device if any, else the CPU)."""
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self._device = torch.device(device) if device is not None else default_device()
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def _layout(self) -> ReplicaLayout:
+        return ReplicaLayout(num_replicas=1, first_local_replica=0, num_local_replicas=1)
+
+    def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        pass  # nothing to synchronise with
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        outer = get_replica_context()
+        _set_replica_context(ReplicaContext(self, 0, 1, 1.0))
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            _set_replica_context(outer)
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        op = check_reduce_op(op)
+        tensor = _as_tensor(value, self.device)
+        if axis is None:
+            return tensor
+        return tensor.sum(dim=axis) if op == "sum" else tensor.mean(dim=axis)
+
+    def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
+        return _as_tensor(value, self.device)
+
+
+def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, PerReplica):
+        (value,) = value.values
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value, device=device)

@@ -1,0 +1,8 @@
+"""Helpers to test distributed code: run functions as ranks of a real job, with hard timeouts.
+
+Public so that users can test their own distributed training code the way spread tests itself.
+"""
+
+from spread.testing.harness import RankResult, RanksFailed, launch_ranks, run_ranks
+
+__all__ = ["RankResult", "RanksFailed", "launch_ranks", "run_ranks"]

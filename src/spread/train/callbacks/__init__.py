@@ -1,0 +1,25 @@
+"""Callbacks for :class:`spread.Trainer`, named and shaped like ``keras.callbacks``.
+
+Chief-only callbacks (ProgressBar, ModelCheckpoint, CSVLogger, TensorBoard) print or write files
+on the chief process; EarlyStopping runs on every rank so that all ranks stop at the same epoch.
+"""
+
+from spread.train.callbacks.base import Callback, CallbackList, Logs
+from spread.train.callbacks.csv_logger import CSVLogger
+from spread.train.callbacks.early_stopping import EarlyStopping
+from spread.train.callbacks.history import History
+from spread.train.callbacks.model_checkpoint import ModelCheckpoint
+from spread.train.callbacks.progress import ProgressBar
+from spread.train.callbacks.tensorboard import TensorBoard
+
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "CSVLogger",
+    "EarlyStopping",
+    "History",
+    "Logs",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoard",
+]

@@ -1,0 +1,64 @@
+"""The callback protocol of :class:`spread.Trainer`, Keras-shaped so tf.keras users feel at home.
+
+Contract: every rank calls every hook with the same ``logs`` (metrics are reduced across replicas
+before callbacks see them), so decisions taken from logs (early stopping, best checkpoint) agree on
+all ranks without extra communication. Callbacks that write files or print set ``chief_only = True``:
+the trainer calls them on the chief only. A callback that needs collective work on every rank (for
+example saving sharded state) keeps ``chief_only = False`` and checks ``trainer.is_chief`` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from spread.train.trainer import Trainer
+
+Logs = dict[str, Any]
+
+
+class Callback:
+    """Base class: override the hooks you need; all default to doing nothing.
+
+    Available through ``self.trainer`` once attached: ``model``, ``optimizer``, ``strategy``,
+    ``is_chief``, ``stop_training`` (set True to stop after the current epoch), ``params``
+    (``epochs``, ``steps`` per epoch or None, ``global_batch_size``, ``verbose``),
+    ``epoch`` and ``global_step`` (optimizer steps taken so far).
+    """
+
+    chief_only: bool = False
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, logs: Logs | None = None) -> None: ...
+    def on_train_end(self, logs: Logs | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_train_batch_begin(self, step: int, logs: Logs | None = None) -> None: ...
+    def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None: ...
+    def on_test_begin(self, logs: Logs | None = None) -> None: ...
+    def on_test_end(self, logs: Logs | None = None) -> None: ...
+    def on_test_batch_end(self, step: int, logs: Logs | None = None) -> None: ...
+    def on_predict_begin(self, logs: Logs | None = None) -> None: ...
+    def on_predict_end(self, logs: Logs | None = None) -> None: ...
+
+
+class CallbackList:
+    """Dispatches each hook to the callbacks that should run on this rank, in order."""
+
+    def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
+        self.callbacks = [cb for cb in callbacks if trainer.is_chief or not cb.chief_only]
+        for cb in self.callbacks:
+            cb.set_trainer(trainer)
+
+    def __iter__(self):
+        return iter(self.callbacks)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args)

@@ -1,0 +1,209 @@
+"""ModelCheckpoint: save the model (and optionally the optimizer) during ``fit``, Keras-style.
+
+The file is written so that a crash, a full disk or a kill at any moment leaves either the previous
+file or the new one under the final name, never a torn one: torch.save goes to a hidden temporary
+file in the same directory, which is flushed and fsync'ed, then renamed over the final name with
+``os.replace`` (atomic on POSIX and Windows), and the directory is fsync'ed so the rename itself
+survives a power loss. Overwriting a checkpoint in place (nanoGPT) loses both copies on a crash.
+
+Only the chief writes (every rank holds the same replicated weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from spread.train.callbacks._monitor import (
+    as_float,
+    check_freq,
+    invalid,
+    monitor_op,
+    resolve_mode,
+    worst_value,
+)
+from spread.train.callbacks.base import Callback, Logs
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename durable. Some platforms (Windows) and filesystems cannot open or fsync a
+    # directory; the rename is still atomic there, only its durability on power loss is weaker.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)`` that never leaves a half-written file under ``path``.
+
+    On failure the temporary file is removed, ``path`` keeps its previous content (if any) and the
+    exception propagates.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # Hidden and suffixed so globs like "*.pt" never pick up a temporary file.
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model every epoch or every ``save_freq`` batches, optionally only when it improves.
+
+    Args:
+        filepath: where to save; may hold format fields filled from the logs and the position,
+            e.g. ``"ckpt/epoch{epoch:02d}-{val_loss:.3f}.pt"``. ``epoch`` is 1-based (as printed),
+            ``batch`` (1-based, step-based saves only) and ``global_step`` are also available.
+        monitor: the log watched by ``save_best_only``.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (max for names containing "acc" or "auc", else min).
+        save_best_only: save only when ``monitor`` beats the best value seen so far. A missing
+            ``monitor`` warns once and skips saving (it does not stop training).
+        save_weights_only: save ``model.state_dict()`` only; if False, save one dict with ``model``,
+            ``optimizer`` (its state dict), ``epoch`` (0-based index of the epoch being trained; resume
+            an epoch-end save with ``initial_epoch=epoch + 1``) and ``global_step``.
+        save_freq: ``"epoch"``, or a positive number of batches between saves (the logs are then the
+            running means of the current epoch, as in Keras).
+        verbose: 1 prints a line for each save (and each skipped best-only save).
+
+    Load with ``torch.load(path, weights_only=True)``.
+    """
+
+    chief_only = True
+
+    def __init__(
+        self,
+        filepath: str | os.PathLike[str],
+        monitor: str = "val_loss",
+        mode: str = "auto",
+        save_best_only: bool = False,
+        save_weights_only: bool = True,
+        save_freq: str | int = "epoch",
+        verbose: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
+            raise invalid("filepath", filepath, "a non-empty path")
+        if not isinstance(monitor, str) or not monitor:
+            raise invalid("monitor", monitor, "a non-empty log name")
+        self.filepath = os.fspath(filepath)
+        self.monitor = monitor
+        self.mode = resolve_mode(monitor, mode)
+        self.save_best_only = bool(save_best_only)
+        self.save_weights_only = bool(save_weights_only)
+        self.save_freq = check_freq("save_freq", save_freq)
+        self.verbose = verbose
+        self.best = worst_value(self.mode)
+        self._better = monitor_op(self.mode)
+        self._batches_since_save = 0
+        self._epoch = 0
+        self._warned_missing = False
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._batches_since_save = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            return
+        self._batches_since_save += 1
+        if self._batches_since_save >= self.save_freq:
+            self._batches_since_save = 0
+            self._save(self._epoch, step, logs or {})
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch, None, logs or {})
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _format_path(self, epoch: int, batch: int | None, logs: Logs) -> str:
+        fields: dict[str, Any] = {name: value for name, value in logs.items() if name != "size"}
+        fields["epoch"] = epoch + 1
+        fields["global_step"] = getattr(self.trainer, "global_step", 0)
+        if batch is not None:
+            fields["batch"] = batch + 1
+        try:
+            return self.filepath.format(**fields)
+        except (KeyError, IndexError) as exc:
+            raise KeyError(
+                f"ModelCheckpoint could not fill filepath={self.filepath!r}: field {exc} is not available "
+                f"here. Available fields: {sorted(fields)}"
+            ) from exc
+
+    def _state(self, epoch: int) -> Any:
+        assert self.trainer is not None, "ModelCheckpoint used before set_trainer()"
+        model_state = self.trainer.model.state_dict()
+        if self.save_weights_only:
+            return model_state
+        return {
+            "model": model_state,
+            "optimizer": self.trainer.optimizer.state_dict(),
+            "epoch": epoch,
+            "global_step": getattr(self.trainer, "global_step", 0),
+        }
+
+    def _warn_missing(self, logs: Logs) -> None:
+        if self._warned_missing:
+            return
+        self._warned_missing = True
+        available = sorted(k for k in logs if k != "size")
+        warnings.warn(
+            f"ModelCheckpoint(save_best_only=True) monitors `{self.monitor}`, which is not in the logs "
+            f"(available: {available}); skipping best-only saves until it appears.",
+            stacklevel=4,
+        )
+
+    def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
+        if self.save_best_only:
+            current = as_float(logs.get(self.monitor))
+            if current is None:
+                self._warn_missing(logs)
+                return
+            if not self._better(current, self.best):
+                if self.verbose:
+                    print(
+                        f"epoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}",
+                        file=sys.stdout,
+                        flush=True,
+                    )
+                return
+            path = self._format_path(epoch, batch, logs)
+            atomic_torch_save(self._state(epoch), path)
+            # Only after the write: a failed save must not raise the bar for the next one.
+            previous, self.best = self.best, current
+            if self.verbose:
+                print(
+                    f"epoch {epoch + 1}: {self.monitor} improved from {previous:.5f} to {current:.5f}, "
+                    f"saved {path}",
+                    file=sys.stdout,
+                    flush=True,
+                )
+            return
+        path = self._format_path(epoch, batch, logs)
+        atomic_torch_save(self._state(epoch), path)
+        if self.verbose:
+            print(f"epoch {epoch + 1}: saved {path}", file=sys.stdout, flush=True)

@@ -1,0 +1,245 @@
+"""Keras-style training on any strategy: ``fit``, ``evaluate``, ``predict`` with callbacks.
+
+The trainer is a thin loop over the strategy's contract: the dataset is distributed by the strategy,
+each step runs forward and backward on every replica (``strategy.run``), gradients arrive reduced,
+the optimizer steps once in cross-replica context. Loss and metrics are summed over replicas once
+per step (one small all-reduce), so every rank sees the same logs and callbacks agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from spread.errors import NonFiniteLossError
+from spread.strategies import Strategy, make_strategy
+from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
+from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
+
+NONFINITE_POLICIES = ("raise", "skip_step")
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict) and {"x", "y"} <= batch.keys():
+        return batch["x"], batch["y"]
+    raise TypeError(
+        "Trainer expects batches of (inputs, targets) or {'x': ..., 'y': ...}; "
+        f"got {type(batch).__name__}. Use a custom loop for other shapes."
+    )
+
+
+def _num_samples(y: Any) -> int:
+    return int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on ``loss_fn`` under ``strategy``.
+
+    Args:
+        model: the network; built inside ``strategy.scope()`` or not (then it is moved and synced).
+        optimizer: a torch optimizer over the model's parameters.
+        loss_fn: ``(y_pred, y_true) -> scalar mean loss`` over the replica's batch.
+        strategy: a Strategy, a registered name ("mirrored", ...) or None for one device.
+        metrics: names ("accuracy", "mse", "mae") or per-sample functions ``(y_pred, y_true) -> [n]``.
+        callbacks: added to every ``fit`` call (History and ProgressBar are added for you).
+        on_nonfinite: ``"raise"`` stops with NonFiniteLossError before the weights change;
+            ``"skip_step"`` drops that step's update and goes on.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        *,
+        strategy: Strategy | str | None = None,
+        metrics: Sequence[str | MetricFn] | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        on_nonfinite: str = "raise",
+    ) -> None:
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
+        self.strategy = make_strategy(strategy)
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.metrics = resolve_metrics(metrics)
+        self.callbacks = list(callbacks or [])
+        self.on_nonfinite = on_nonfinite
+        self.stop_training = False
+        self.params: dict[str, Any] = {}
+        self.epoch = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.history = History()
+        if not self.strategy.is_managed(model):
+            self.strategy.prepare_model(model)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.strategy.is_chief
+
+    # -- one replica's work ------------------------------------------------------------------------
+    def _stats(self, y_pred: torch.Tensor, y: torch.Tensor, loss: torch.Tensor, n: int) -> torch.Tensor:
+        values = [loss.detach() * n if n else loss.new_zeros(()), loss.new_tensor(float(n))]
+        for fn in self.metrics.values():
+            values.append(fn(y_pred.detach(), y).sum().to(loss.dtype) if n else loss.new_zeros(()))
+        return torch.stack([v.reshape(()) for v in values]).to(torch.float64)
+
+    def _train_replica_step(self, batch: Any) -> torch.Tensor:
+        x, y = _split_batch(batch)
+        n = _num_samples(y)
+        y_pred = self.model(x)
+        loss = self.loss_fn(y_pred, y)
+        # A replica with no samples still takes part in the gradient exchange, with zero gradients.
+        (loss if n else y_pred.sum() * 0.0).backward()
+        return self._stats(y_pred, y, loss, n)
+
+    def _eval_replica_step(self, batch: Any) -> torch.Tensor:
+        x, y = _split_batch(batch)
+        with torch.no_grad():
+            y_pred = self.model(x)
+            n = _num_samples(y)
+            loss = self.loss_fn(y_pred, y) if n else y_pred.new_zeros(())
+            return self._stats(y_pred, y, loss, n)
+
+    # -- public API --------------------------------------------------------------------------------
+    def fit(
+        self,
+        train_data: Any,
+        *,
+        epochs: int = 1,
+        global_batch_size: int = 32,
+        validation_data: Any = None,
+        validation_batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = False,
+        steps_per_epoch: int | None = None,
+        initial_epoch: int = 0,
+        callbacks: Sequence[Callback] | None = None,
+        verbose: int = 1,
+    ) -> History:
+        """Train for ``epochs`` epochs over ``train_data`` split into global batches.
+
+        Every rank must call ``fit`` with the same arguments. Returns the History callback, whose
+        ``history`` maps each log name to its per-epoch values (identical on every rank).
+        """
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        if not 0 <= initial_epoch < epochs:
+            raise ValueError(f"initial_epoch must be in [0, epochs), got {initial_epoch!r}")
+        train = self.strategy.distribute_dataset(
+            train_data, global_batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
+        )
+        steps = len(train) if hasattr(train.dataset, "__len__") else None
+        if steps_per_epoch is not None:
+            steps = min(steps, steps_per_epoch) if steps is not None else steps_per_epoch
+        self.params = {"epochs": epochs, "steps": steps, "global_batch_size": global_batch_size, "verbose": verbose}
+        defaults: list[Callback] = [self.history]
+        if verbose:
+            defaults.append(ProgressBar(verbose=verbose))
+        cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
+        self.stop_training = False
+        self.train_dataset = train
+        cbs.call("on_train_begin", {})
+        logs: dict[str, float] = {}
+        for epoch in range(initial_epoch, epochs):
+            self.epoch = epoch
+            self.model.train()
+            cbs.call("on_epoch_begin", epoch, {})
+            train.set_epoch(epoch)
+            sums = RunningSums(list(self.metrics))
+            for step, batch in enumerate(train):
+                if steps_per_epoch is not None and step >= steps_per_epoch:
+                    break
+                cbs.call("on_train_batch_begin", step, {})
+                packed = self._train_step(batch)
+                sums.add(packed)
+                batch_logs = sums.results()
+                batch_logs["size"] = int(packed[1].item())
+                cbs.call("on_train_batch_end", step, batch_logs)
+            logs = sums.results()
+            if validation_data is not None:
+                val_logs = self._evaluate(validation_data, validation_batch_size or global_batch_size, None)
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            cbs.call("on_epoch_end", epoch, logs)
+            if self.stop_training:
+                break
+        cbs.call("on_train_end", logs)
+        return self.history
+
+    def _train_step(self, batch: Any) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        per_replica = self.strategy.run(self._train_replica_step, args=(batch,))
+        packed = self.strategy.reduce("sum", per_replica)
+        loss_sum = float(packed[0].item())
+        if not math.isfinite(loss_sum):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.on_nonfinite == "raise":
+                raise NonFiniteLossError(
+                    f"non-finite loss ({loss_sum}) at epoch {self.epoch}, step {self.global_step}; the weights "
+                    f"were not updated (use on_nonfinite='skip_step' to drop such steps and go on)"
+                )
+            self.skipped_steps += 1
+            return packed.new_zeros(packed.shape)
+        self.optimizer.step()
+        self.global_step += 1
+        return packed
+
+    def _evaluate(self, data: Any, global_batch_size: int, cbs: CallbackList | None) -> dict[str, float]:
+        dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
+        was_training = self.model.training
+        self.model.eval()
+        sums = RunningSums(list(self.metrics))
+        try:
+            for step, batch in enumerate(dataset):
+                sums.add(self.strategy.reduce("sum", self.strategy.run(self._eval_replica_step, args=(batch,))))
+                if cbs is not None:
+                    cbs.call("on_test_batch_end", step, sums.results())
+        finally:
+            self.model.train(was_training)
+        return sums.results()
+
+    def evaluate(
+        self,
+        data: Any,
+        *,
+        global_batch_size: int = 256,
+        callbacks: Sequence[Callback] | None = None,
+    ) -> dict[str, float]:
+        """Loss and metrics over ``data`` (every sample once), identical on every rank."""
+        cbs = CallbackList(list(callbacks or []), self)
+        cbs.call("on_test_begin", {})
+        logs = self._evaluate(data, global_batch_size, cbs)
+        cbs.call("on_test_end", logs)
+        return logs
+
+    def predict(self, data: Any, *, global_batch_size: int = 256) -> torch.Tensor:
+        """The model's outputs for every sample of ``data``, in dataset order, on every rank.
+
+        ``data`` yields inputs, or (inputs, targets) pairs whose targets are ignored.
+        """
+        dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
+        was_training = self.model.training
+        self.model.eval()
+        outputs = []
+
+        def replica_predict(batch: Any) -> torch.Tensor:
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+            with torch.no_grad():
+                return self.model(x)
+
+        try:
+            for batch in dataset:
+                outputs.append(self.strategy.gather(self.strategy.run(replica_predict, args=(batch,))))
+        finally:
+            self.model.train(was_training)
+        return torch.cat(outputs) if outputs else torch.empty(0)

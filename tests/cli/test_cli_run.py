@@ -1,0 +1,234 @@
+"""``spread run`` from the command line: help that teaches, usage errors, signals, no survivors (H5).
+
+Signal tests start the real command in a subprocess (as a user would), wait until every rank has
+written its pid, signal the launcher, and then check that nothing it started is alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from spread.cli.main import main
+
+pytestmark = pytest.mark.timeout(60)
+
+SPREAD = [sys.executable, "-m", "spread.cli.main"]
+
+SLEEPER = """
+import os, subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+with open(os.path.join(sys.argv[1], "pids" + os.environ["RANK"]), "w") as f:
+    f.write(f"{os.getpid()} {helper.pid}")
+time.sleep(60)
+"""
+
+
+def _spread(args: list[str], timeout: float = 30, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SPREAD, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kwargs
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for_pids(directory: Path, count: int, proc: subprocess.Popen, timeout: float = 20) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(directory.glob("pids*"))
+        texts = [f.read_text() for f in files]
+        if len(files) == count and all(len(t.split()) == 2 for t in texts):
+            return [int(pid) for t in texts for pid in t.split()]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("the ranks did not start in time")
+
+
+def _assert_gone(pids: list[int], launcher_pid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [p for p in pids if _alive(p)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"still alive: {survivors}"
+    orphans = [p for p in psutil.process_iter(["ppid", "status"]) if p.info["ppid"] == launcher_pid]
+    assert not [p for p in orphans if p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+def test_top_level_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "run" in out and "examples:" in out and "spread run -n 4 train.py" in out
+
+
+def test_run_help_lists_flags_environment_and_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "--max-restarts",
+        "--kill-grace",
+        "--no-prefix",
+        "SPREAD_JOB_TOKEN",
+        "LOCAL_RANK",
+        "examples:",
+        "--nnodes 2 --node-rank 1",
+        "exit status",
+    ):
+        assert text in out
+
+
+def test_no_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: spread" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "0", "x.py"], "must be >= 1, got 0"),
+        (["-n", "two", "x.py"], "expected an integer"),
+        (["--kill-grace", "-1", "x.py"], "--kill-grace"),
+        (["--master-port", "70000", "x.py"], "port in [0, 65535]"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1", "x.py"],
+            "--node-rank",
+        ),
+        (["--nnodes", "2", "--master-port", "29500", "x.py"], "--master-addr"),
+        ([], "SCRIPT"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "script not found" in capsys.readouterr().err
+
+
+def test_multi_node_without_token_exits_2(tmp_path: Path) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "SPREAD_JOB_TOKEN"}
+    result = _spread(
+        [
+            "run",
+            "-n",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29500",
+            str(script),
+        ],
+        env=env,
+    )
+    assert result.returncode == 2
+    assert "SPREAD_JOB_TOKEN" in result.stderr and "same value on every node" in result.stderr
+
+
+def test_end_to_end_exit_code_arguments_and_secret_token(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, sys
+        print("args", sys.argv[1:], "token", len(os.environ["SPREAD_JOB_TOKEN"]))
+        sys.exit(3 if os.environ["RANK"] == "1" else 0)
+    """)
+    )
+    result = _spread(["run", "-n", "2", str(script), "--lr", "0.1", "-n", "5"])
+    assert result.returncode == 3
+    assert result.stdout.count("args ['--lr', '0.1', '-n', '5'] token 32") == 2
+    assert "spread run: rank 1 exited with code 3" in result.stderr
+
+
+def test_no_prefix_passes_output_through(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("print('plain')\n")
+    result = _spread(["run", "--no-prefix", str(script)])
+    assert (result.returncode, result.stdout) == (0, "plain\n")
+
+
+@pytest.mark.parametrize(("signum", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_sigint_and_sigterm_stop_every_rank_and_helper(tmp_path: Path, signum: int, expected: int) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(
+        [*SPREAD, "run", "-n", "2", "--kill-grace", "2", str(script), str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc)
+        start = time.monotonic()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=15)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == expected, err
+    assert elapsed < 10
+    assert f"received {signal.Signals(signum).name}; stopped 2 process(es)" in err
+    _assert_gone(pids, proc.pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(
+        [*SPREAD, "run", "-n", "2", str(script), str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    ranks, helpers = pids[0::2], pids[1::2]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in helpers:  # PDEATHSIG covers the ranks only; their helpers are not the launcher's to reach
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not [p for p in ranks if _alive(p)]
+
+
+def test_launcher_imports_without_torch() -> None:
+    code = (
+        "import sys, spread.cli.main, spread.cli.run, spread.cluster.launcher; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, "spread run would import torch at start-up: " + result.stderr

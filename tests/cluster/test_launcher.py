@@ -1,0 +1,395 @@
+"""The local launcher (``spread.cluster.launcher.launch``): environment, output, failure, restarts, cleanup.
+
+Children are tiny Python scripts written to ``tmp_path`` that never import torch, so each launch costs
+tens of milliseconds. Every test ends by checking that no process it started is still alive (zombies
+count as dead: PID 1 in some containers never reaps orphans, which no launcher can fix).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from spread.cluster.launcher import LaunchConfig, launch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _script(tmp_path: Path, body: str, name: str = "child.py") -> Path:
+    path = tmp_path / name
+    path.write_text("import json, os, signal, socket, subprocess, sys, time\n" + textwrap.dedent(body))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
+    """Every pid is dead (or a zombie), and this test process has no child left."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [p for p in pids if _alive(p)]
+    for pid in survivors:  # do not leak into the next test, but still fail this one
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes still alive after launch returned: {survivors}"
+    children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    assert not children, f"the launcher left children behind: {children}"
+
+
+def _pids(text: str) -> list[int]:
+    return [int(line.split("pid=")[1].split()[0]) for line in text.splitlines() if "pid=" in line]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"nproc": 0}, "nproc"),
+        ({"nproc": True}, "nproc"),
+        ({"nnodes": 0}, "nnodes"),
+        ({"nnodes": 2, "node_rank": 2, "master_addr": "h", "master_port": 1}, "node_rank"),
+        ({"node_rank": -1}, "node_rank"),
+        ({"master_port": 70000}, "master_port"),
+        ({"master_addr": ""}, "master_addr"),
+        ({"nnodes": 2, "master_port": 29500}, "master_addr"),
+        ({"nnodes": 2, "master_addr": "10.0.0.1"}, "master_port"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"kill_grace": 0}, "kill_grace"),
+        ({"kill_grace": math.nan}, "kill_grace"),
+        ({"args": "--lr 1"}, "args"),
+    ],
+)
+def test_config_refuses_bad_values_naming_field_and_value(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"`{field}`.*Received: {field}="):
+        LaunchConfig(entrypoint="train.py", **kwargs)
+
+
+def test_config_is_frozen_and_normalises_args() -> None:
+    config = LaunchConfig(
+        entrypoint="train.py",
+        args=["--lr", "0.1"],
+        nproc=2,
+        nnodes=3,
+        node_rank=1,
+        master_addr="h",
+        master_port=29500,
+    )
+    assert config.args == ("--lr", "0.1")
+    assert config.world_size == 6
+    assert config.command()[1:] == ["-u", "train.py", "--lr", "0.1"]
+    with pytest.raises(AttributeError):
+        config.nproc = 4  # type: ignore[misc]
+
+
+def test_missing_script_starts_nothing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nope\.py"):
+        launch(LaunchConfig(entrypoint=str(tmp_path / "nope.py")))
+
+
+def test_each_rank_gets_its_environment_and_the_token_stays_secret(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("SPREAD_STORE_FD", "99")  # as if nested in another launcher: must not leak to rank 1
+    script = _script(
+        tmp_path,
+        f"""
+        token = os.environ.pop("SPREAD_JOB_TOKEN")
+        with open({str(tmp_path)!r} + "/token" + os.environ["RANK"], "w") as f:
+            f.write(token)
+        print(json.dumps({{"env": dict(os.environ), "argv": sys.argv[1:], "pid": os.getpid()}}))
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), args=("--flag", "x y"), nproc=2)) == 0
+    out, err = capfd.readouterr()
+    records = {}
+    for line in out.splitlines():
+        tag, _, payload = line.partition("] ")
+        record = json.loads(payload)
+        records[int(record["env"]["RANK"])] = record
+        assert tag == f"[rank {record['env']['RANK']}"
+    assert sorted(records) == [0, 1]
+    ports = {r["env"]["MASTER_PORT"] for r in records.values()}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    for rank, record in records.items():
+        env = record["env"]
+        assert record["argv"] == ["--flag", "x y"]
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2" and env["NNODES"] == "1"
+        assert env["LOCAL_RANK"] == str(rank) and env["NODE_RANK"] == env["GROUP_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["SPREAD_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["SPREAD_LAUNCHER"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+        assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert "SPREAD_STORE_FD" in records[0]["env"] and "SPREAD_STORE_FD" not in records[1]["env"]
+    tokens = {(tmp_path / f"token{r}").read_text() for r in (0, 1)}
+    assert len(tokens) == 1
+    token = tokens.pop()
+    assert len(token) == 32 and token not in out and token not in err
+    _assert_all_gone([r["pid"] for r in records.values()])
+
+
+def test_user_omp_num_threads_is_kept_and_each_launch_gets_a_fresh_token(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv("SPREAD_JOB_TOKEN", "from-the-user")  # single node: ignored, a fresh one is made
+    script = _script(
+        tmp_path,
+        """
+        import hashlib
+        digest = hashlib.sha256(os.environ["SPREAD_JOB_TOKEN"].encode()).hexdigest()
+        print(os.environ["OMP_NUM_THREADS"], digest)
+    """,
+    )
+    config = LaunchConfig(entrypoint=str(script))
+    assert launch(config) == 0 and launch(config) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines] == ["7", "7"]
+    assert len({line.split()[3] for line in lines}) == 2
+
+
+def test_output_is_prefixed_line_by_line_and_binary_safe(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        sys.stdout.write("one\\ntwo\\npartial without newline")
+        sys.stdout.flush()
+        sys.stderr.buffer.write(b"bad \\xff\\xfe bytes\\n")
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script))) == 0
+    out, err = capfd.readouterr()
+    assert out == "[rank 0] one\n[rank 0] two\n[rank 0] partial without newline\n"
+    assert err == "[rank 0] bad \ufffd\ufffd bytes\n"
+    assert launch(LaunchConfig(entrypoint=str(script), prefix_output=False)) == 0
+    out, err = capfd.readouterr()
+    assert out == "one\ntwo\npartial without newline"
+
+
+def test_module_mode_runs_python_dash_m(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mymod.py").write_text("import sys; print('module', sys.argv[1:])\n")
+    monkeypatch.chdir(tmp_path)
+    assert launch(LaunchConfig(entrypoint="mymod", module=True, args=("-x",))) == 0
+    assert capfd.readouterr().out == "[rank 0] module ['-x']\n"
+
+
+def test_first_failure_stops_the_others_and_wins(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    script = _script(
+        tmp_path,
+        """
+        print("pid=%d" % os.getpid(), flush=True)
+        if os.environ["RANK"] == "1":
+            time.sleep(0.3)
+            sys.exit(3)
+        time.sleep(60)
+    """,
+    )
+    start = time.monotonic()
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 3
+    assert time.monotonic() - start < 20  # far below the 60 s the other rank would sleep
+    out, err = capfd.readouterr()
+    assert "spread run: rank 1 exited with code 3; stopped the other 1 process(es)" in err
+    assert len(_pids(out)) == 2
+    _assert_all_gone(_pids(out))
+
+
+def test_grandchildren_die_with_their_rank(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    script = _script(
+        tmp_path,
+        """
+        if os.environ["RANK"] == "0":
+            helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            print("pid=%d" % helper.pid, flush=True)
+            time.sleep(60)
+        time.sleep(0.5)
+        sys.exit(1)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2, kill_grace=1)) == 1
+    _assert_all_gone(_pids(capfd.readouterr().out))
+
+
+def test_helpers_left_behind_by_successful_ranks_are_stopped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print("pid=%d" % helper.pid, flush=True)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), kill_grace=1)) == 0
+    out, err = capfd.readouterr()
+    assert "left behind" in err
+    _assert_all_gone(_pids(out))
+
+
+def test_rank_killed_by_a_signal_counts_as_128_plus_signal(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert launch(LaunchConfig(entrypoint=str(script))) == 137
+    assert "rank 0 exited with code 137 (killed by SIGKILL)" in capfd.readouterr().err
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("pid=%d" % os.getpid(), flush=True)
+        if os.environ["RANK"] == "1":
+            time.sleep(0.3)
+            sys.exit(4)
+        time.sleep(60)
+    """,
+    )
+    start = time.monotonic()
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2, kill_grace=0.5)) == 4
+    assert time.monotonic() - start < 20
+    _assert_all_gone(_pids(capfd.readouterr().out))
+
+
+def test_restart_after_a_failure_then_success(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "attempts.log"
+    script = _script(
+        tmp_path,
+        f"""
+        attempt = os.environ["SPREAD_RESTART_COUNT"]
+        with open({str(log)!r}, "a") as f:
+            f.write(f"{{os.environ['RANK']}}:{{attempt}}\\n")
+        if attempt == "0" and os.environ["RANK"] == "1":
+            sys.exit(1)
+        if attempt == "0":
+            time.sleep(60)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2, max_restarts=1)) == 0
+    assert sorted(log.read_text().split()) == ["0:0", "0:1", "1:0", "1:1"]
+    err = capfd.readouterr().err
+    assert "spread run: restarting (attempt 2 of 2) after rank 1 exited with code 1" in err
+    _assert_all_gone([])
+
+
+def test_gives_up_after_max_restarts_plus_one_attempts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "attempts.log"
+    script = _script(
+        tmp_path,
+        f"""
+        with open({str(log)!r}, "a") as f:
+            f.write(os.environ["SPREAD_RESTART_COUNT"] + "\\n")
+        sys.exit(5)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), max_restarts=2)) == 5
+    assert log.read_text().split() == ["0", "1", "2"]
+    err = capfd.readouterr().err
+    assert err.count("restarting") == 2
+    assert "gave up after 3 attempts" in err
+
+
+def test_rank0_hosts_the_store_on_the_listening_socket_it_was_handed(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        attempt = os.environ["SPREAD_RESTART_COUNT"]
+        if os.environ["RANK"] == "0":
+            listener = socket.socket(fileno=int(os.environ["SPREAD_STORE_FD"]))
+            print("bound", listener.getsockname()[0], listener.getsockname()[1] == port, flush=True)
+            conn, _ = listener.accept()
+            print("got", conn.recv(16).decode(), "attempt", attempt, flush=True)
+        else:
+            assert "SPREAD_STORE_FD" not in os.environ
+            with socket.create_connection((addr, port), timeout=10) as s:
+                s.sendall(b"hello")
+            if attempt == "0":
+                sys.exit(7)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2, max_restarts=1)) == 0
+    out = capfd.readouterr().out
+    assert out.count("[rank 0] bound 127.0.0.1 True") == 2
+    assert "[rank 0] got hello attempt 0" in out and "[rank 0] got hello attempt 1" in out
+
+
+def test_the_rendezvous_port_is_released(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    script = _script(tmp_path, 'print("port", os.environ["MASTER_PORT"])\n')
+    assert launch(LaunchConfig(entrypoint=str(script))) == 0
+    port = int(capfd.readouterr().out.split()[-1])
+    with socket.socket() as s:  # nothing listens there any more: binding it again must work
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+def test_multi_node_needs_a_shared_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _script(tmp_path, "pass\n")
+    monkeypatch.delenv("SPREAD_JOB_TOKEN", raising=False)
+    config = LaunchConfig(
+        entrypoint=str(script), nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=29500
+    )
+    with pytest.raises(ValueError, match="SPREAD_JOB_TOKEN"):
+        launch(config)
+
+
+def test_non_zero_node_gets_global_ranks_and_no_store_fd(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPREAD_JOB_TOKEN", "shared-secret-abc")
+    script = _script(
+        tmp_path,
+        """
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "SPREAD_STORE_FD")
+        print(json.dumps({k: os.environ.get(k) for k in keys}
+                         | {"token_ok": os.environ["SPREAD_JOB_TOKEN"] == "shared-secret-abc"}))
+    """,
+    )
+    config = LaunchConfig(
+        entrypoint=str(script), nproc=2, nnodes=2, node_rank=1, master_addr="10.1.2.3", master_port=29511
+    )
+    assert launch(config) == 0
+    out = capfd.readouterr().out
+    records = sorted(
+        (json.loads(line.partition("] ")[2]) for line in out.splitlines()), key=lambda r: r["RANK"]
+    )
+    assert [(r["RANK"], r["LOCAL_RANK"]) for r in records] == [("2", "0"), ("3", "1")]
+    for r in records:
+        assert r["WORLD_SIZE"] == "4" and r["NODE_RANK"] == "1" and r["token_ok"]
+        assert (r["MASTER_ADDR"], r["MASTER_PORT"], r["SPREAD_STORE_FD"]) == ("10.1.2.3", "29511", None)
+    assert "shared-secret-abc" not in out
+
+
+def test_all_ranks_failing_at_once_is_one_clean_failure(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, 'print("pid=%d" % os.getpid(), flush=True)\nsys.exit(9)\n')
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 9
+    out, err = capfd.readouterr()
+    assert err.count("exited with code 9") == 1 and "restarting" not in err
+    _assert_all_gone(_pids(out))

@@ -1,0 +1,72 @@
+"""Collectives fail loudly: a dead or silent peer produces an error naming rank, op and sequence."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import spread
+from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
+from spread.testing import launch_ranks, run_ranks
+
+
+def _basic_collectives() -> dict:
+    strategy = spread.MultiWorkerMirroredStrategy()
+    try:
+        c = strategy.collectives
+        rank = c.rank
+        t = torch.full((5,), float(rank + 1))
+        c.all_reduce(t)
+        gathered = c.all_gather_uneven(torch.arange(rank + 1))
+        b = torch.tensor([float(rank)])
+        c.broadcast(b, src=1)
+        return {"sum": t.tolist(), "gathered": [g.tolist() for g in gathered], "bcast": b.item()}
+    finally:
+        strategy.close()
+
+
+def test_all_reduce_gather_broadcast():
+    out = run_ranks(_basic_collectives, 2, timeout=60)
+    for result in out:
+        assert result["sum"] == [3.0] * 5
+        assert result["gathered"] == [[0], [0, 1]]
+        assert result["bcast"] == 1.0
+
+
+def _one_rank_misbehaves(mode: str) -> float:
+    strategy = spread.MultiWorkerMirroredStrategy()
+    c = strategy.collectives
+    c.barrier()
+    if c.rank == 1:
+        if mode == "exit":
+            os._exit(7)
+        time.sleep(60)  # skips the collective
+    start = time.monotonic()
+    try:
+        c.all_reduce(torch.ones(4), name="grad_all_reduce")
+    except CollectiveError as exc:
+        exc.elapsed = time.monotonic() - start  # type: ignore[attr-defined]
+        raise
+    return time.monotonic() - start
+
+
+def test_dead_peer_is_detected_and_named():
+    results = launch_ranks(_one_rank_misbehaves, 2, args=("exit",), collective_timeout=5, timeout=60)
+    survivor = results[0]
+    assert results[1].exitcode == 7
+    assert survivor.error is not None, survivor.describe()
+    assert survivor.error.split(":")[0] in (PeerLostError.__name__, CollectiveTimeout.__name__)
+    assert "rank 0: grad_all_reduce #" in survivor.error
+    assert survivor.seconds < 40
+
+
+def test_rank_that_skips_a_collective_times_out_with_a_named_error():
+    results = launch_ranks(
+        _one_rank_misbehaves, 2, args=("skip",), collective_timeout=3, timeout=60, fail_fast_grace=1
+    )
+    survivor = results[0]
+    assert survivor.error is not None and survivor.error.startswith(CollectiveTimeout.__name__), survivor.describe()
+    assert "rank 0: grad_all_reduce #" in survivor.error
+    assert results[1].timed_out or results[1].exitcode is not None

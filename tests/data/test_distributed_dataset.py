@@ -1,0 +1,148 @@
+"""Distributed datasets: every sample exactly once per epoch, split the same way on every process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo, split_sizes
+from spread.values import PerReplica
+
+
+def _ids(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n).float().unsqueeze(1), torch.arange(n)
+
+
+def _process_batches(n, gbs, replicas, process, *, local=1, **kw):
+    layout = ReplicaLayout(replicas, process * local, local, process_index=process, num_processes=replicas // local)
+    infos: list[StepInfo] = []
+    ds = DistributedDataset(_ids(n), gbs, layout, on_step=infos.append, **kw)
+    return list(ds), infos
+
+
+@pytest.mark.parametrize("total,parts", [(16, 2), (7, 3), (2, 3), (0, 2), (10, 4)])
+def test_split_sizes_are_balanced(total, parts):
+    sizes = split_sizes(total, parts)
+    assert sum(sizes) == total and max(sizes) - min(sizes) <= 1 and len(sizes) == parts
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_every_sample_once_per_epoch_in_global_batch_order(replicas):
+    n, gbs = 37, 8
+    per_process = [_process_batches(n, gbs, replicas, r, seed=3) for r in range(replicas)]
+    steps = len(per_process[0][0])
+    assert steps == 5
+    seen = []
+    for step in range(steps):
+        for r in range(replicas):
+            seen.extend(per_process[r][0][step][1].tolist())
+            info = per_process[r][1][step]
+            assert info.global_size == min(gbs, n - step * gbs)
+    assert sorted(seen) == list(range(n))
+    # Same global order as one replica: concatenating the replicas' slices gives one device's batch.
+    single, _ = _process_batches(n, gbs, 1, 0, seed=3)
+    assert seen == torch.cat([b[1] for b in single]).tolist()
+
+
+def test_uneven_final_batch_sizes_and_drop_remainder():
+    batches, infos = _process_batches(21, 8, 2, 1, shuffle=False)
+    assert [len(b[1]) for b in batches] == [4, 4, 2]
+    assert [i.global_size for i in infos] == [8, 8, 5]
+    assert infos[-1].local_sizes == (2,)
+    dropped, _ = _process_batches(21, 8, 2, 1, shuffle=False, drop_remainder=True)
+    assert len(dropped) == 2
+
+
+def test_final_batch_smaller_than_replica_count_gives_an_empty_local_batch():
+    batches, infos = _process_batches(9, 8, 4, 3, shuffle=False)
+    assert infos[-1] == StepInfo((0,), 1)
+    x, y = batches[-1]
+    assert x.shape == (0, 1) and y.shape == (0,)
+
+
+def test_shuffle_is_shared_and_changes_per_epoch():
+    layout = ReplicaLayout(2, 0, 1, process_index=0, num_processes=2)
+    ds = DistributedDataset(_ids(40), 10, layout, seed=5)
+    epoch0 = torch.cat([b[1] for b in ds])
+    epoch1 = torch.cat([b[1] for b in ds])
+    again = DistributedDataset(_ids(40), 10, layout, seed=5)
+    assert torch.equal(epoch0, torch.cat([b[1] for b in again]))
+    assert not torch.equal(epoch0, epoch1)
+
+
+def test_several_local_replicas_yield_per_replica_leaves():
+    layout = ReplicaLayout(2, 0, 2)
+    x, y = next(iter(DistributedDataset(_ids(10), 4, layout, shuffle=False)))
+    assert isinstance(x, PerReplica) and isinstance(y, PerReplica)
+    assert [v.tolist() for v in y.values] == [[0, 1], [2, 3]]
+
+
+def test_resume_from_state_dict_continues_at_the_next_batch():
+    layout = ReplicaLayout(1, 0, 1)
+    ds = DistributedDataset(_ids(30), 4, layout, seed=1)
+    full = [b[1].tolist() for b in ds]
+    ds2 = DistributedDataset(_ids(30), 4, layout, seed=1)
+    it = iter(ds2)
+    first = [next(it)[1].tolist() for _ in range(3)]
+    state = ds2.state_dict()
+    assert state == {"epoch": 0, "batch": 3}
+    ds3 = DistributedDataset(_ids(30), 4, layout, seed=1)
+    ds3.load_state_dict(state)
+    rest = [b[1].tolist() for b in ds3]
+    assert first + rest == full
+
+
+class _Squares(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([float(i)]), "y": i * i}
+
+
+def test_generic_map_dataset_with_dict_samples():
+    layout = ReplicaLayout(2, 1, 1, process_index=1, num_processes=2)
+    batches = list(DistributedDataset(_Squares(), 4, layout, shuffle=False))
+    assert [b["y"].tolist() for b in batches] == [[4, 9], [36, 49], [81]]
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(11):
+            yield torch.tensor(i)
+
+
+def test_iterable_dataset_split_by_sample():
+    out = []
+    for r in range(2):
+        layout = ReplicaLayout(2, r, 1, process_index=r, num_processes=2)
+        out.append([b.tolist() for b in DistributedDataset(_Stream(), 4, layout)])
+    assert out[0] == [[0, 1], [4, 5], [8, 9]]
+    assert out[1] == [[2, 3], [6, 7], [10]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"global_batch_size": 0}, "global_batch_size"),
+        ({"global_batch_size": 1}, "smaller than the 2 replicas"),
+        ({"shard_policy": "rows"}, "shard_policy"),
+        ({"shard_policy": "file"}, "shard"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    layout = ReplicaLayout(2, 0, 1, process_index=0, num_processes=2)
+    args = {"global_batch_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        DistributedDataset(_ids(10), args.pop("global_batch_size"), layout, **args)
+
+
+def test_dataset_smaller_than_replica_count_is_refused():
+    layout = ReplicaLayout(4, 0, 1, process_index=0, num_processes=4)
+    with pytest.raises(ValueError, match="holds 3 sample"):
+        DistributedDataset(_ids(3), 8, layout)
+
+
+def test_shard_policy_parse():
+    assert ShardPolicy.parse("data") is ShardPolicy.DATA

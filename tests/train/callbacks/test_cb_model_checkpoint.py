@@ -1,0 +1,140 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+from spread.train.callbacks import CallbackList, ModelCheckpoint
+
+
+def _weight(path) -> float:
+    state = torch.load(path, weights_only=True)
+    return float(state["weight"].flatten()[0])
+
+
+def test_saves_every_epoch_with_formatted_names(fake_trainer, tmp_path):
+    trainer = fake_trainer(epochs=3)
+    trainer.fit([ModelCheckpoint(tmp_path / "ckpt" / "e{epoch:02d}-{val_loss:.3f}.pt")])
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["e01-2.000.pt", "e02-1.000.pt", "e03-0.667.pt"]
+    assert _weight(tmp_path / "ckpt" / "e02-1.000.pt") == 1.0
+    state = torch.load(tmp_path / "ckpt" / "e03-0.667.pt", weights_only=True)
+    assert state.keys() == trainer.model.state_dict().keys()
+
+
+def test_save_best_only_min(fake_trainer, tmp_path):
+    losses = [0.5, 0.7, 0.3, 0.4]
+    trainer = fake_trainer(epochs=4)
+    checkpoint = ModelCheckpoint(tmp_path / "best.pt", save_best_only=True)
+    trainer.fit([checkpoint], epoch_logs=[{"loss": 1.0, "val_loss": v} for v in losses])
+    assert checkpoint.best == 0.3
+    assert _weight(tmp_path / "best.pt") == 2.0  # the epoch with val_loss 0.3
+
+
+def test_save_best_only_auto_is_max_for_accuracy(fake_trainer, tmp_path):
+    accuracies = [0.5, 0.9, 0.7]
+    checkpoint = ModelCheckpoint(tmp_path / "best-{epoch}.pt", monitor="val_accuracy", save_best_only=True)
+    assert checkpoint.mode == "max"
+    fake_trainer(epochs=3).fit([checkpoint], epoch_logs=[{"val_accuracy": a} for a in accuracies])
+    assert sorted(os.listdir(tmp_path)) == ["best-1.pt", "best-2.pt"]
+
+
+def test_full_state_with_optimizer(fake_trainer, tmp_path):
+    trainer = fake_trainer(epochs=2)
+    trainer.optimizer.state[trainer.model.weight]["momentum_buffer"] = torch.ones(1, 2)
+    trainer.fit([ModelCheckpoint(tmp_path / "full.pt", save_weights_only=False)])
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert set(state) == {"model", "optimizer", "epoch", "global_step"}
+    assert state["epoch"] == 1 and state["global_step"] == 8
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert float(state["model"]["weight"].flatten()[0]) == 1.0
+
+
+def test_save_freq_in_batches(fake_trainer, tmp_path):
+    trainer = fake_trainer(epochs=2, steps=4)
+    trainer.fit([ModelCheckpoint(tmp_path / "s{global_step}-e{epoch}-b{batch}.pt", save_freq=3)])
+    assert sorted(os.listdir(tmp_path)) == ["s3-e1-b3.pt", "s6-e2-b2.pt"]
+
+
+def test_missing_monitor_warns_once_and_goes_on(fake_trainer, tmp_path):
+    trainer = fake_trainer(epochs=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(
+            [ModelCheckpoint(tmp_path / "best.pt", save_best_only=True)], epoch_logs=lambda e: {"loss": 1.0}
+        )
+    messages = [str(w.message) for w in caught if "val_loss" in str(w.message)]
+    assert len(messages) == 1 and "`val_loss`" in messages[0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_format_field_names_it(fake_trainer, tmp_path):
+    trainer = fake_trainer(epochs=1)
+    with pytest.raises(KeyError, match="val_auc"):
+        trainer.fit([ModelCheckpoint(tmp_path / "{val_auc}.pt")])
+
+
+def _checkpoint_on(trainer, path) -> ModelCheckpoint:
+    checkpoint = ModelCheckpoint(path)
+    CallbackList([checkpoint], trainer)
+    return checkpoint
+
+
+@pytest.mark.parametrize("failure", ["replace", "save"])
+def test_failed_write_keeps_previous_file_and_leaves_no_temp(fake_trainer, tmp_path, monkeypatch, failure):
+    trainer = fake_trainer()
+    path = tmp_path / "model.pt"
+    checkpoint = _checkpoint_on(trainer, path)
+    checkpoint.on_epoch_end(0, {"val_loss": 1.0})
+    before = path.read_bytes()
+
+    if failure == "replace":
+
+        def boom(*args, **kwargs):
+            raise OSError("disk on fire")
+
+        monkeypatch.setattr(os, "replace", boom)
+    else:
+
+        def half_save(obj, f, *args, **kwargs):
+            f.write(b"half a checkpoint")
+            raise OSError("disk full")
+
+        monkeypatch.setattr(torch, "save", half_save)
+    with torch.no_grad():
+        trainer.model.weight.fill_(42.0)
+    with pytest.raises(OSError):
+        checkpoint.on_epoch_end(1, {"val_loss": 0.5})
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_failed_best_save_does_not_raise_the_bar(fake_trainer, tmp_path, monkeypatch):
+    trainer = fake_trainer()
+    checkpoint = ModelCheckpoint(tmp_path / "best.pt", save_best_only=True)
+    CallbackList([checkpoint], trainer)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("no")))
+        with pytest.raises(OSError):
+            checkpoint.on_epoch_end(0, {"val_loss": 0.5})
+    assert checkpoint.best == float("inf")
+    checkpoint.on_epoch_end(1, {"val_loss": 0.5})
+    assert (tmp_path / "best.pt").exists()
+
+
+def test_chief_only(fake_trainer, tmp_path):
+    assert list(CallbackList([ModelCheckpoint(tmp_path / "m.pt")], fake_trainer(is_chief=False))) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"mode": "best"}, "mode"),
+        ({"save_freq": 0}, "save_freq"),
+        ({"save_freq": "batch"}, "save_freq"),
+        ({"save_freq": True}, "save_freq"),
+        ({"monitor": ""}, "monitor"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, name):
+    with pytest.raises(ValueError, match=f"Invalid value for argument `{name}`.*Received: {name}="):
+        ModelCheckpoint(tmp_path / "m.pt", **kwargs)
