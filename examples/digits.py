@@ -41,8 +41,12 @@ def make_strategy(name: str) -> spread.Strategy:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="auto", choices=["auto", "one_device", "mirrored", "multi_worker_mirrored"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--strategy", default="auto", choices=["auto", "one_device", "mirrored", "multi_worker_mirrored"]
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -59,7 +63,11 @@ def main() -> None:
 
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, metrics=["accuracy"])
     history = trainer.fit(
-        train, epochs=args.epochs, global_batch_size=args.batch_size, validation_data=val, verbose=args.verbose
+        train,
+        epochs=args.epochs,
+        global_batch_size=args.batch_size,
+        validation_data=val,
+        verbose=args.verbose,
     )
     result = trainer.evaluate(val)
     if strategy.is_chief:

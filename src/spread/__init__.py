@@ -35,7 +35,22 @@ _EXPORTS = {
     "errors": "spread.errors",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "ClusterSpec",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReplicaContext",
+    "Strategy",
+    "Trainer",
+    "__version__",
+    "callbacks",
+    "errors",
+    "get_replica_context",
+    "get_strategy",
+    "resolve_cluster",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from spread import errors

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch.distributed as dist
 
@@ -63,7 +61,6 @@ def test_unreachable_store_names_the_address(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "9")  # discard port: nothing listens there
-    with pytest.raises(RendezvousError, match="could not reach the rendezvous store at 127.0.0.1:9"):
+    with pytest.raises(RendezvousError, match=r"could not reach the rendezvous store at 127\.0\.0\.1:9"):
         rendezvous(resolve_cluster(), init_timeout=1)
     assert not dist.is_initialized()
-    assert "SPREAD_JOB_TOKEN" not in os.environ or True

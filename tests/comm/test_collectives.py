@@ -67,6 +67,8 @@ def test_rank_that_skips_a_collective_times_out_with_a_named_error():
         _one_rank_misbehaves, 2, args=("skip",), collective_timeout=3, timeout=60, fail_fast_grace=1
     )
     survivor = results[0]
-    assert survivor.error is not None and survivor.error.startswith(CollectiveTimeout.__name__), survivor.describe()
+    assert survivor.error is not None and survivor.error.startswith(CollectiveTimeout.__name__), (
+        survivor.describe()
+    )
     assert "rank 0: grad_all_reduce #" in survivor.error
     assert results[1].timed_out or results[1].exitcode is not None

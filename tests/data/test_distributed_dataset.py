@@ -15,7 +15,9 @@ def _ids(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _process_batches(n, gbs, replicas, process, *, local=1, **kw):
-    layout = ReplicaLayout(replicas, process * local, local, process_index=process, num_processes=replicas // local)
+    layout = ReplicaLayout(
+        replicas, process * local, local, process_index=process, num_processes=replicas // local
+    )
     infos: list[StepInfo] = []
     ds = DistributedDataset(_ids(n), gbs, layout, on_step=infos.append, **kw)
     return list(ds), infos

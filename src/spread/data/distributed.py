@@ -217,7 +217,9 @@ class DistributedDataset:
             plan.append((chunk.tolist(), sizes, -1))
         return plan
 
-    def _map_source(self, plan: list[tuple[list[int], list[int], int]]) -> Iterator[tuple[Any, list[int], int]]:
+    def _map_source(
+        self, plan: list[tuple[list[int], list[int], int]]
+    ) -> Iterator[tuple[Any, list[int], int]]:
         nonempty = [indices for indices, _, _ in plan if indices]
         loader = DataLoader(
             self.dataset,
@@ -234,8 +236,10 @@ class DistributedDataset:
             yield batch, sizes, global_size
 
     def _empty_batch(self) -> Any:
-        one = self.collate_fn(self.dataset.__getitems__([0])) if hasattr(self.dataset, "__getitems__") else (
-            self.collate_fn([self.dataset[0]])
+        one = (
+            self.collate_fn(self.dataset.__getitems__([0]))
+            if hasattr(self.dataset, "__getitems__")
+            else (self.collate_fn([self.dataset[0]]))
         )
         return pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 

@@ -7,12 +7,12 @@ replica ``r`` takes a contiguous piece of it whose size differs from the others 
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 
-class ShardPolicy(str, Enum):
+class ShardPolicy(StrEnum):
     """How a dataset is divided among workers (the names of ``tf.data.experimental.AutoShardPolicy``).
 
     * ``AUTO``: ``FILE`` when the dataset can shard itself (has ``shard(num_shards, index)``),

@@ -87,7 +87,9 @@ class Strategy(abc.ABC):
                 created_buffers.append(buffer)
 
         with ExitStack() as stack:
-            stack.enter_context(_hook(nn.modules.module.register_module_parameter_registration_hook, on_param))
+            stack.enter_context(
+                _hook(nn.modules.module.register_module_parameter_registration_hook, on_param)
+            )
             stack.enter_context(_hook(nn.modules.module.register_module_buffer_registration_hook, on_buffer))
             if self.device.type != "cpu":
                 stack.enter_context(self.device)
@@ -202,7 +204,9 @@ class Strategy(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
+        return (
+            f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
+        )
 
 
 class SupportsNoSync(abc.ABC):

@@ -32,7 +32,9 @@ from spread.values import PerReplica, select_replica
 CROSS_DEVICE_OPS = ("auto",)
 
 
-def _resolve_devices(devices: Sequence[str | torch.device] | None, num_replicas: int | None) -> list[torch.device]:
+def _resolve_devices(
+    devices: Sequence[str | torch.device] | None, num_replicas: int | None
+) -> list[torch.device]:
     if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
         raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
     if devices is not None:
@@ -43,12 +45,15 @@ def _resolve_devices(devices: Sequence[str | torch.device] | None, num_replicas:
             raise ValueError(f"num_replicas={num_replicas} does not match the {len(resolved)} devices given")
     else:
         base = default_device()
-        count = num_replicas if num_replicas is not None else (os.cpu_count() or 1) if base.type == "cpu" else 1
+        count = (
+            num_replicas if num_replicas is not None else (os.cpu_count() or 1) if base.type == "cpu" else 1
+        )
         resolved = [base] * count
     physical = {d for d in resolved if d.type != "cpu"}
     if len(physical) > 1:
         raise SpreadError(
-            f"MirroredStrategy runs its replicas in one process on one physical device; got {sorted(map(str, physical))}. "
+            "MirroredStrategy runs its replicas in one process on one physical device; "
+            f"got {sorted(map(str, physical))}. "
             f"For several GPUs use MultiWorkerMirroredStrategy with one process per GPU: "
             f"`spread run -n {len(physical)} script.py`."
         )
@@ -86,8 +91,12 @@ class MirroredStrategy(Strategy):
         elif isinstance(intra_op_threads, int) and intra_op_threads >= 1:
             torch.set_num_threads(intra_op_threads)
         else:
-            raise ValueError(f"intra_op_threads must be 'auto' or a positive integer, got {intra_op_threads!r}")
-        self._pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="spread-replica") if n > 1 else None
+            raise ValueError(
+                f"intra_op_threads must be 'auto' or a positive integer, got {intra_op_threads!r}"
+            )
+        self._pool = (
+            ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="spread-replica") if n > 1 else None
+        )
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
 

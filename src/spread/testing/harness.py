@@ -134,11 +134,24 @@ def launch_ranks(
     start = time.monotonic()
     try:
         for rank in range(nprocs):
-            child_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), **((rank_env or {}).get(rank, {}))}
+            child_env = {
+                **base_env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                **((rank_env or {}).get(rank, {})),
+            }
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child_main,
-                args=(fn, rank, child_env, listener if rank == 0 else None, child_conn, args, dict(kwargs or {})),
+                args=(
+                    fn,
+                    rank,
+                    child_env,
+                    listener if rank == 0 else None,
+                    child_conn,
+                    args,
+                    dict(kwargs or {}),
+                ),
                 name=f"spread-rank-{rank}",
             )
             proc.start()

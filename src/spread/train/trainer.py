@@ -142,7 +142,12 @@ class Trainer:
         steps = len(train) if hasattr(train.dataset, "__len__") else None
         if steps_per_epoch is not None:
             steps = min(steps, steps_per_epoch) if steps is not None else steps_per_epoch
-        self.params = {"epochs": epochs, "steps": steps, "global_batch_size": global_batch_size, "verbose": verbose}
+        self.params = {
+            "epochs": epochs,
+            "steps": steps,
+            "global_batch_size": global_batch_size,
+            "verbose": verbose,
+        }
         defaults: list[Callback] = [self.history]
         if verbose:
             defaults.append(ProgressBar(verbose=verbose))
@@ -185,8 +190,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if self.on_nonfinite == "raise":
                 raise NonFiniteLossError(
-                    f"non-finite loss ({loss_sum}) at epoch {self.epoch}, step {self.global_step}; the weights "
-                    f"were not updated (use on_nonfinite='skip_step' to drop such steps and go on)"
+                    f"non-finite loss ({loss_sum}) at epoch {self.epoch}, step {self.global_step}; "
+                    f"the weights were not updated (use on_nonfinite='skip_step' to drop such steps)"
                 )
             self.skipped_steps += 1
             return packed.new_zeros(packed.shape)
@@ -201,7 +206,9 @@ class Trainer:
         sums = RunningSums(list(self.metrics))
         try:
             for step, batch in enumerate(dataset):
-                sums.add(self.strategy.reduce("sum", self.strategy.run(self._eval_replica_step, args=(batch,))))
+                sums.add(
+                    self.strategy.reduce("sum", self.strategy.run(self._eval_replica_step, args=(batch,)))
+                )
                 if cbs is not None:
                     cbs.call("on_test_batch_end", step, sums.results())
         finally:
