@@ -165,15 +165,26 @@ def _check_token(store: dist.Store, spec: ClusterSpec, token: str, timeout: floa
 def _announce_and_wait(store: dist.Store, spec: ClusterSpec, timeout: float) -> None:
     me = {"world_size": spec.world_size, "pid": os.getpid(), "host": socket.gethostname()}
     store.set(f"arrived/{spec.rank}", json.dumps(me))
+    # Rank 0 hosts the store: it waits a little longer so the others can still read it when they give up.
+    deadline = time.monotonic() + timeout + (1.0 if spec.rank == 0 else 0.0)
+    missing = list(range(spec.world_size))
+    while missing:
+        try:
+            missing = [r for r in missing if not store.check([f"arrived/{r}"])]
+        except (RuntimeError, dist.DistError) as exc:
+            raise RendezvousError(
+                f"rank {spec.rank}: lost the rendezvous store at {spec.master_addr}:{spec.master_port} "
+                f"while waiting for rank(s) {missing} of {spec.world_size} to join (did rank 0 exit?)"
+            ) from exc
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"rank {spec.rank}: rank(s) {missing} of {spec.world_size} did not join "
+                f"within {timeout:.0f}s at {spec.master_addr}:{spec.master_port}"
+            )
+        time.sleep(0.02)
     keys = [f"arrived/{r}" for r in range(spec.world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except RuntimeError:
-        missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
-        raise RendezvousError(
-            f"rank {spec.rank}: rank(s) {missing} of {spec.world_size} did not join within {timeout:.0f}s "
-            f"at {spec.master_addr}:{spec.master_port}"
-        ) from None
     sizes = {r: json.loads(store.get(k))["world_size"] for r, k in enumerate(keys)}
     if len(set(sizes.values())) > 1:
         raise RendezvousError(f"rank {spec.rank}: ranks disagree on WORLD_SIZE: {sizes}")
