@@ -12,13 +12,13 @@ def test_plain_lines_when_not_a_tty(fake_trainer, capsys):
     trainer = fake_trainer(epochs=2, steps=20, global_batch_size=16)
     trainer.fit([ProgressBar()])
     lines = _lines(capsys)
-    # Default: about ten lines per epoch, i.e. every 2 of 20 steps; the last step is the summary.
+    # Default: about four lines per epoch, i.e. every 5 of 20 steps; the last step is the summary.
     step_lines = [line for line in lines if "val_loss" not in line]
-    assert len(lines) == 2 * 10
-    assert len(step_lines) == 2 * 9
-    assert lines[0].startswith("epoch 1/2  step 2/20  loss 0.5000  accuracy 0.5000")
-    assert lines[0].endswith("samples/s")
-    summary = lines[9]
+    assert len(lines) == 2 * 4
+    assert len(step_lines) == 2 * 3
+    assert lines[0].startswith("epoch 1/2  step 5/20  loss 0.2000  accuracy 0.5000")
+    assert "samples/s  ETA " in lines[0] and lines[0].endswith("s")
+    summary = lines[3]
     assert summary.startswith("epoch 1/2  step 20/20  loss 1.0000  accuracy 0.5000  val_loss 2.0000  ")
     assert "samples/s" in summary
     assert summary.endswith("s") and summary.split("  ")[-1][:-1].replace(".", "").isdigit()

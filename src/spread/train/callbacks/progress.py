@@ -19,7 +19,7 @@ from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
 
 # Plain-line mode aims at about this many progress lines per epoch when log_every is not given.
-_LINES_PER_EPOCH = 10
+_LINES_PER_EPOCH = 4
 # ... and prints every this many steps when the epoch length is unknown (iterable datasets).
 _DEFAULT_LOG_EVERY_UNKNOWN_STEPS = 50
 
@@ -104,6 +104,9 @@ class ProgressBar(Callback):
         if metrics:
             parts.append(metrics)
         parts.append(f"{self._samples_per_second():.0f} samples/s")
+        if not extra and steps and 0 < self._steps_done < steps:
+            per_step = (time.perf_counter() - self._epoch_start) / self._steps_done
+            parts.append(f"ETA {per_step * (steps - self._steps_done):.1f}s")
         if extra:
             parts.append(extra)
         return "  ".join(parts)
