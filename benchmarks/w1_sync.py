@@ -24,7 +24,9 @@ GLOBAL_BATCH = 512
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    return nn.Sequential(
+        nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)
+    )
 
 
 def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,9 +46,8 @@ def _time_steps(step, reps: int, steps: int) -> list[float]:
     return rates
 
 
-def single(threads: int, reps: int, steps: int) -> list[float]:
-    torch.set_num_threads(threads)
-    model, (x, y) = _model(), _data(GLOBAL_BATCH)
+def _plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """One plain PyTorch training step (forward, backward, SGD update) as a closure."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -55,7 +56,12 @@ def single(threads: int, reps: int, steps: int) -> list[float]:
         loss_fn(model(x), y).backward()
         opt.step()
 
-    return _time_steps(step, reps, steps)
+    return step
+
+
+def single(threads: int, reps: int, steps: int) -> list[float]:
+    torch.set_num_threads(threads)
+    return _time_steps(_plain_step(_model(), *_data(GLOBAL_BATCH)), reps, steps)
 
 
 def _ddp_rank(reps: int, steps: int) -> list[float]:
@@ -71,16 +77,8 @@ def _ddp_rank(reps: int, steps: int) -> list[float]:
     x, y = _data(GLOBAL_BATCH)
     per = GLOBAL_BATCH // dist.get_world_size()
     x, y = x[rdzv.rank * per : (rdzv.rank + 1) * per], y[rdzv.rank * per : (rdzv.rank + 1) * per]
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
     try:
-        return _time_steps(step, reps, steps)
+        return _time_steps(_plain_step(model, x, y), reps, steps)
     finally:
         rdzv.close()
 
@@ -128,7 +126,9 @@ def mirrored(replicas: int, reps: int, steps: int) -> list[float]:
 def main() -> None:
     from spread.testing import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
