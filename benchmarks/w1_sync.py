@@ -102,11 +102,11 @@ def _spread_step(strategy, reps: int, steps: int) -> list[float]:
     return _time_steps(step, reps, steps)
 
 
-def _mwms_rank(reps: int, steps: int) -> list[float]:
+def _mwms_rank(reps: int, steps: int, bucket_cap_mb: float) -> list[float]:
     import spread
 
     torch.set_num_threads(1)
-    strategy = spread.MultiWorkerMirroredStrategy()
+    strategy = spread.MultiWorkerMirroredStrategy(bucket_cap_mb=bucket_cap_mb)
     try:
         return _spread_step(strategy, reps, steps)
     finally:
@@ -131,13 +131,22 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, nargs="+", default=[25.0], help="MWMS bucket sizes to try"
+    )
     args = parser.parse_args()
     r, s = args.reps, args.steps
     rows = {
         "one process, 1 thread": (1, single(1, r, s)),
         "one process, 2 threads": (1, single(2, r, s)),
         "PyTorch DDP 2 x 1 thread": (2, run_ranks(_ddp_rank, 2, args=(r, s), timeout=600)[0]),
-        "spread MultiWorkerMirrored 2 x 1 thread": (2, run_ranks(_mwms_rank, 2, args=(r, s), timeout=600)[0]),
+        **{
+            f"spread MultiWorkerMirrored 2 x 1 thread, buckets {cap:g} MB": (
+                2,
+                run_ranks(_mwms_rank, 2, args=(r, s, cap), timeout=600)[0],
+            )
+            for cap in args.bucket_cap_mb
+        },
         "spread Mirrored 2 replicas (threads), 1 process": (2, mirrored(2, r, s)),
     }
     base = statistics.median(rows["one process, 1 thread"][1])

@@ -41,6 +41,7 @@ class _Bucket:
     numel: int
     buffer: torch.Tensor | None = None  # numel gradient slots, then one presence flag per parameter
     pending: object = field(default=None, repr=False)
+    ready: int = 0  # parameters of this bucket whose gradient arrived in the current backward pass
 
     def flat(self) -> torch.Tensor:
         if self.buffer is None:
@@ -88,6 +89,8 @@ class GradientReducer:
         self.params = list(unique.values())
         self.collectives = collectives
         self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next_launch = 0  # buckets are launched strictly in index order, the same on every rank
         self.grad_scale = 1.0 / collectives.world_size
         self.sync_enabled = True
         self.reductions = 0  # completed exchanges, for tests and stats
@@ -114,10 +117,22 @@ class GradientReducer:
         return pre_hook
 
     def _post_hook(self, p: torch.Tensor) -> None:
-        self._ready.add(id(p))
+        key = id(p)
+        if key not in self._ready:
+            self._ready.add(key)
+            self._bucket_of[key].ready += 1
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.sync_enabled:
+            # Overlap: start each bucket's all-reduce as soon as it (and every bucket before it) is full,
+            # while backward goes on computing the gradients of earlier layers.
+            while self._next_launch < len(self.buckets):
+                bucket = self.buckets[self._next_launch]
+                if bucket.ready < len(bucket.params):
+                    break
+                self._launch(bucket)
+                self._next_launch += 1
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -125,25 +140,34 @@ class GradientReducer:
             self._local_pending = True
             self._ready.clear()
             self._fresh.clear()
+            for bucket in self.buckets:
+                bucket.ready = 0
             return
         self.reduce_now()
 
     # -- the exchange ----------------------------------------------------------------------------
     def reduce_now(self) -> None:
-        """Exchange the gradients gathered since the last exchange (called at the end of backward)."""
+        """Finish the exchange: launch the buckets not started during backward (some parameters got
+        no gradient), then wait for every bucket in order and write the results into ``.grad``."""
         ready, fresh = self._ready, self._fresh
         try:
-            for bucket in self.buckets:
-                self._pack(bucket, ready, fresh)
-                bucket.pending = self.collectives.all_reduce_async(bucket.flat(), name="grad_all_reduce")
+            for bucket in self.buckets[self._next_launch :]:
+                self._launch(bucket)
             for bucket in self.buckets:
                 bucket.pending.wait()  # type: ignore[attr-defined]
                 bucket.pending = None
                 self._unpack(bucket, ready, fresh)
         finally:
+            for bucket in self.buckets:
+                bucket.pending, bucket.ready = None, 0
+            self._next_launch = 0
             self._ready, self._fresh = set(), {}
             self._local_pending = False
         self.reductions += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self._pack(bucket, self._ready, self._fresh)
+        bucket.pending = self.collectives.all_reduce_async(bucket.flat(), name="grad_all_reduce")
 
     def _pack(self, bucket: _Bucket, ready: set[int], fresh: dict[int, torch.Tensor]) -> None:
         flat = bucket.flat()
