@@ -1,7 +1,10 @@
-"""Gradient all-reduce at the end of each backward pass, packed into flat buckets.
+"""Gradient all-reduce packed into flat buckets, overlapped with backward.
 
 Why flat buckets: one all-reduce per ~25 MB instead of one per parameter (gloo and NCCL pay a fixed
 cost per call), into buffers allocated once (a fresh large tensor costs page faults every step).
+Buckets follow the reverse of parameter registration (roughly the order backward produces
+gradients); each bucket's all-reduce starts as soon as it is full and every earlier bucket has
+started (the same launch order on every rank), and the end of backward waits for all of them.
 
 Contract (the same as DDP's, so PyTorch users keep their habits):
 
