@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from spread.data.prefetch import WaitClock, prefetch
 from spread.data.sharding import ShardPolicy, epoch_order, global_batches, split_sizes
 from spread.values import stack_replicas
 
@@ -84,10 +85,12 @@ def _as_dataset(data: Any) -> tuple[Any, Callable[[Any], Any] | None, int]:
 class DistributedDataset:
     """Iterable over the local part of each global batch; one pass is one epoch.
 
-    Each ``iter()`` starts the next epoch (reshuffled with the shared seed) unless :meth:`set_epoch`
-    chose it. Yields a batch for a process with one replica, and a structure of
-    :class:`~spread.values.PerReplica` leaves for several. ``state_dict()`` records the epoch and the
-    batches already consumed so a restarted run resumes at the exact next sample.
+    Batches are prepared ``prefetch`` steps ahead on a background thread; ``wait_clock`` records
+    how long the loop waited for them. Each ``iter()`` starts the next epoch (reshuffled with the
+    shared seed) unless :meth:`set_epoch` chose it. Yields a batch for a process with one replica,
+    and a structure of :class:`~spread.values.PerReplica` leaves for several. ``state_dict()``
+    records the epoch and the batches already consumed, so a restarted run resumes at the exact
+    next sample.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class DistributedDataset:
         shard_policy: str | ShardPolicy = ShardPolicy.AUTO,
         devices: Sequence[torch.device] | None = None,
         num_workers: int | None = None,
+        prefetch: int = 2,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> None:
         if not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -119,6 +123,10 @@ class DistributedDataset:
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         self.devices = list(devices) if devices else [torch.device("cpu")] * layout.num_local_replicas
         self.on_step = on_step
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative integer, got {prefetch!r}")
+        self.prefetch = prefetch
+        self.wait_clock = WaitClock()  # time the training loop spent waiting for batches
         policy = ShardPolicy.parse(shard_policy)
         if policy is ShardPolicy.AUTO:
             policy = ShardPolicy.FILE if hasattr(self.dataset, "shard") else ShardPolicy.DATA
@@ -173,13 +181,13 @@ class DistributedDataset:
             source = self._map_source(plan)
         else:
             source = self._iterable_source(start)
+        ready = ((self._per_replica(batch, sizes), sizes, total) for batch, sizes, total in source)
         try:
-            for local_batch, sizes, global_size in source:
+            for batch, sizes, global_size in prefetch(ready, self.prefetch, self.wait_clock):
                 self._batch += 1
-                info = StepInfo(tuple(sizes), global_size)
                 if self.on_step is not None:
-                    self.on_step(info)
-                yield self._per_replica(local_batch, sizes)
+                    self.on_step(StepInfo(tuple(sizes), global_size))
+                yield batch
         finally:  # finished or abandoned: the next iteration is the next epoch (as in tf.data)
             self._epoch = epoch + 1
             self._batch = 0

@@ -162,11 +162,14 @@ class Strategy(abc.ABC):
         drop_remainder: bool = False,
         shard_policy: str | ShardPolicy = ShardPolicy.AUTO,
         num_workers: int | None = None,
+        prefetch: int = 2,
     ) -> DistributedDataset:
         """Split each global batch of ``dataset`` over the replicas (see :class:`DistributedDataset`).
 
         Every process must pass the same dataset, batch size, seed and flags. The final batch may be
         smaller (unless ``drop_remainder``); gradients are weighted by each replica's sample count.
+        ``prefetch`` batches are prepared ahead on a background thread (0: none);
+        ``num_workers`` > 0 loads samples in that many worker processes (torch DataLoader).
         """
         return DistributedDataset(
             dataset,
@@ -178,6 +181,7 @@ class Strategy(abc.ABC):
             shard_policy=shard_policy,
             devices=self._local_devices(),
             num_workers=num_workers,
+            prefetch=prefetch,
             on_step=self._set_step_info,
         )
 

@@ -9,6 +9,7 @@ per step (one small all-reduce), so every rank sees the same logs and callbacks 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +79,7 @@ class Trainer:
         self.epoch = 0
         self.global_step = 0
         self.skipped_steps = 0
+        self.data_wait_fraction = 0.0  # share of the last epoch this rank spent waiting for batches
         self.history = History()
         if not self.strategy.is_managed(model):
             self.strategy.prepare_model(model)
@@ -161,6 +163,8 @@ class Trainer:
             self.model.train()
             cbs.call("on_epoch_begin", epoch, {})
             train.set_epoch(epoch)
+            train.wait_clock.reset()
+            epoch_started = time.perf_counter()
             sums = RunningSums(list(self.metrics))
             for step, batch in enumerate(train):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
@@ -171,6 +175,9 @@ class Trainer:
                 batch_logs = sums.results()
                 batch_logs["size"] = int(packed[1].item())
                 cbs.call("on_train_batch_end", step, batch_logs)
+            self.data_wait_fraction = train.wait_clock.seconds / max(
+                time.perf_counter() - epoch_started, 1e-9
+            )
             logs = sums.results()
             if validation_data is not None:
                 val_logs = self._evaluate(validation_data, validation_batch_size or global_batch_size, None)
