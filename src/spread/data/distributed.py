@@ -229,12 +229,15 @@ class DistributedDataset:
         self, plan: list[tuple[list[int], list[int], int]]
     ) -> Iterator[tuple[Any, list[int], int]]:
         nonempty = [indices for indices, _, _ in plan if indices]
+        # A private generator: iterating must not draw from the global RNG (that would make dropout
+        # depend on when the background thread starts an epoch, and break exact resume).
         loader = DataLoader(
             self.dataset,
             batch_sampler=nonempty,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
             persistent_workers=False,
+            generator=torch.Generator().manual_seed(self.seed * 7_919 + self._epoch),
         )
         batches = iter(loader)
         for indices, sizes, global_size in plan:

@@ -80,6 +80,8 @@ class Trainer:
         self.global_step = 0
         self.skipped_steps = 0
         self.data_wait_fraction = 0.0  # share of the last epoch this rank spent waiting for batches
+        self.running_sums: RunningSums | None = None  # the current epoch's loss and metric sums
+        self.resume_point: dict[str, Any] | None = None  # set by BackupAndRestore in on_train_begin
         self.history = History()
         if not self.strategy.is_managed(model):
             self.strategy.prepare_model(model)
@@ -156,17 +158,24 @@ class Trainer:
         cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
         self.stop_training = False
         self.train_dataset = train
+        self.resume_point = None
         cbs.call("on_train_begin", {})
+        resume, self.resume_point = self.resume_point, None
         logs: dict[str, float] = {}
-        for epoch in range(initial_epoch, epochs):
+        for epoch in range(resume["epoch"] if resume else initial_epoch, epochs):
             self.epoch = epoch
             self.model.train()
             cbs.call("on_epoch_begin", epoch, {})
             train.set_epoch(epoch)
             train.wait_clock.reset()
             epoch_started = time.perf_counter()
-            sums = RunningSums(list(self.metrics))
-            for step, batch in enumerate(train):
+            sums = self.running_sums = RunningSums(list(self.metrics))
+            first_step = 0
+            if resume and epoch == resume["epoch"]:  # continue exactly after the last saved batch
+                first_step = resume["batch"]
+                train.load_state_dict({"epoch": epoch, "batch": first_step})
+                sums.totals = resume["sums"].clone()
+            for step, batch in enumerate(train, start=first_step):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 cbs.call("on_train_batch_begin", step, {})

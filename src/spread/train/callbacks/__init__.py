@@ -4,6 +4,7 @@ Chief-only callbacks (ProgressBar, ModelCheckpoint, CSVLogger, TensorBoard) prin
 on the chief process; EarlyStopping runs on every rank so that all ranks stop at the same epoch.
 """
 
+from spread.train.callbacks.backup_and_restore import BackupAndRestore
 from spread.train.callbacks.base import Callback, CallbackList, Logs
 from spread.train.callbacks.csv_logger import CSVLogger
 from spread.train.callbacks.early_stopping import EarlyStopping
@@ -13,6 +14,7 @@ from spread.train.callbacks.progress import ProgressBar
 from spread.train.callbacks.tensorboard import TensorBoard
 
 __all__ = [
+    "BackupAndRestore",
     "Callback",
     "CallbackList",
     "CSVLogger",

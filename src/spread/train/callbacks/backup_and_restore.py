@@ -1,0 +1,120 @@
+"""BackupAndRestore: resume an interrupted ``fit`` at the exact step, with TF's semantics.
+
+Saved at every ``save_freq`` (end of each epoch, or every N optimizer steps): model and optimizer
+state, the step and epoch, the data pipeline's position (epoch and batches consumed), the running
+loss/metric sums of the current epoch, the History so far, and the RNG states (torch's for every
+rank, gathered to the chief; Python's and NumPy's of the chief). On the next ``fit`` with the same
+directory every rank restores them, and training continues after the last saved batch: no sample
+repeated or skipped, and the final weights equal an uninterrupted run's.
+
+Every rank must use the callback (it gathers RNG states collectively); only the chief writes.
+Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
+a warning in favour of the previous one.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+
+from spread.checkpoint import CheckpointManager
+from spread.train.callbacks._monitor import invalid
+from spread.train.callbacks.base import Callback, Logs
+
+
+class BackupAndRestore(Callback):
+    """Back up training state to ``backup_dir`` and restore it when ``fit`` starts again.
+
+    Args:
+        backup_dir: directory for the backups (shared by all ranks when they run on several machines).
+        save_freq: ``"epoch"`` or a positive number of optimizer steps between backups.
+        delete_checkpoint: remove ``backup_dir`` when training finishes normally.
+        keep: how many backups to keep (older ones are deleted after each save).
+    """
+
+    def __init__(
+        self, backup_dir: str, save_freq: str | int = "epoch", delete_checkpoint: bool = True, keep: int = 2
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and (
+            not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1
+        ):
+            raise invalid("save_freq", save_freq, '"epoch" or a positive integer')
+        self.backup_dir = backup_dir
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.manager = CheckpointManager(backup_dir, keep=keep)
+        self.restored_step: int | None = None
+
+    # -- restore ---------------------------------------------------------------------------------
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        trainer = self.trainer
+        found = self.manager.load_latest()
+        if found is None:
+            return
+        step, state = found
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.global_step = int(state["global_step"])
+        trainer.history.history = {k: list(v) for k, v in state["history"].items()}
+        trainer.history.epoch = list(state["history_epochs"])
+        rank = trainer.strategy.rank if hasattr(trainer.strategy, "rank") else 0
+        torch_states = state["rng"]["torch"]
+        torch.set_rng_state(torch_states[min(rank, len(torch_states) - 1)].clone())
+        version, internal, gauss = state["rng"]["python"]
+        random.setstate((version, tuple(internal), gauss))
+        np_state = np.random.get_state()
+        np.random.set_state((np_state[0], state["rng"]["numpy"].numpy().astype(np.uint32), *np_state[2:]))
+        trainer.resume_point = {
+            "epoch": int(state["epoch"]),
+            "batch": int(state["batch"]),
+            "sums": state["sums"],
+        }
+        self.restored_step = step
+
+    # -- back up ---------------------------------------------------------------------------------
+    def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
+        if isinstance(self.save_freq, int) and self.trainer.global_step % self.save_freq == 0:
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.delete_checkpoint and self.trainer.is_chief:
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def _save(self) -> None:
+        trainer = self.trainer
+        rng = torch.get_rng_state().unsqueeze(0)
+        all_rng = trainer.strategy.gather(rng) if trainer.strategy.num_replicas_in_sync > 1 else rng
+        if not trainer.is_chief:
+            return
+        position = trainer.train_dataset.state_dict()
+        sums = (
+            trainer.running_sums.totals.clone()
+            if position["batch"]
+            else torch.zeros_like(trainer.running_sums.totals)
+        )
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "global_step": trainer.global_step,
+            "epoch": position["epoch"],
+            "batch": position["batch"],
+            "sums": sums,
+            "history": {k: list(v) for k, v in trainer.history.history.items()},
+            "history_epochs": list(trainer.history.epoch),
+            "rng": {
+                "torch": all_rng.cpu(),
+                "python": (version, list(internal), gauss),
+                "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+            },
+        }
+        self.manager.save(trainer.global_step, state)
