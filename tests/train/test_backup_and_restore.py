@@ -72,8 +72,10 @@ from spread.train.callbacks import BackupAndRestore, Callback
 
 class KillAt(Callback):
     def on_train_batch_end(self, step, logs=None):
-        if (os.environ.get("SPREAD_RESTART_COUNT") == "0" and self.trainer.global_step == int(sys.argv[2])
+        attempt = os.environ.get("SPREAD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+        if (attempt == "0" and self.trainer.global_step == int(sys.argv[2])
                 and self.trainer.strategy.rank == int(sys.argv[3])):
+            print("CHAOS: SIGKILL rank", sys.argv[3], "at step", sys.argv[2], flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 strategy = spread.MultiWorkerMirroredStrategy()
@@ -93,27 +95,24 @@ strategy.close()
 """
 
 
-def _spread_run(tmp_path: Path, kill_step: int, kill_rank: int) -> tuple[int, list[float], str]:
+def _launch(
+    tmp_path: Path, kill_step: int, kill_rank: int, launcher: str = "spread"
+) -> tuple[int, list[float], str]:
+    """Run the chaos script on 2 workers with one restart allowed, under spread run or torchrun."""
     script = tmp_path / "chaos_train.py"
     script.write_text(CHAOS_SCRIPT)
-    spread_bin = Path(sys.executable).parent / "spread"
+    bin_dir = Path(sys.executable).parent
+    if launcher == "spread":
+        command = [str(bin_dir / "spread"), "run", "-n", "2", "--max-restarts", "1"]
+    else:
+        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     env["SPREAD_COLLECTIVE_TIMEOUT"] = "20"
+    backup = tmp_path / f"backup-{launcher}-{kill_step}"
     out = subprocess.run(
-        [
-            str(spread_bin),
-            "run",
-            "-n",
-            "2",
-            "--max-restarts",
-            "1",
-            str(script),
-            str(tmp_path / f"backup-{kill_step}"),
-            str(kill_step),
-            str(kill_rank),
-        ],
+        [*command, str(script), str(backup), str(kill_step), str(kill_rank)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -124,10 +123,16 @@ def _spread_run(tmp_path: Path, kill_step: int, kill_rank: int) -> tuple[int, li
     return out.returncode, weights, out.stdout + out.stderr
 
 
-def test_sigkill_a_worker_restart_and_resume_equals_the_uninterrupted_run(tmp_path):
-    code, reference, log = _spread_run(tmp_path, kill_step=-1, kill_rank=-1)
-    assert code == 0 and reference, log[-3000:]
-    code, resumed, log = _spread_run(tmp_path, kill_step=11, kill_rank=1)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    code, weights, log = _launch(tmp_path_factory.mktemp("ref"), kill_step=-1, kill_rank=-1)
+    assert code == 0 and weights, log[-3000:]
+    return weights
+
+
+@pytest.mark.parametrize("launcher", ["spread", "torchrun"])
+def test_sigkill_a_worker_restart_and_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted, launcher):
+    code, resumed, log = _launch(tmp_path, kill_step=11, kill_rank=1, launcher=launcher)
     assert code == 0 and resumed, log[-3000:]
-    assert "restarting" in log
-    assert max(abs(a - b) for a, b in zip(resumed, reference, strict=True)) == 0.0
+    assert "CHAOS: SIGKILL rank 1 at step 11" in log
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted, strict=True)) == 0.0
