@@ -47,3 +47,46 @@ def test_multi_worker_mirrored_equals_one_device(reference, nprocs):
         for rank, weights in enumerate(per_rank):
             diff = max_relative_difference(weights[name], reference[name])
             assert diff <= TOLERANCE, f"rank {rank}, {name}: max relative difference {diff:.2e}"
+
+
+COMPRESSED_TOLERANCE = 2e-2  # bf16 gradients: ~3 significant digits per step, over 20 steps
+
+
+def _mwms_every_algorithm(names: list[str]) -> dict:
+    """One process group for all configurations: the first strategy owns it, later ones reuse it."""
+    rank = int(os.environ["RANK"])
+    owner = spread.MultiWorkerMirroredStrategy("native")
+    out = {}
+    try:
+        for name in names:
+            for label, cap, compression in (
+                ("bucketed", 0.0005, None),
+                ("one_bucket", 1e4, None),
+                ("bf16", 0.0005, "bf16"),
+            ):
+                strategy = spread.MultiWorkerMirroredStrategy(
+                    name, bucket_cap_mb=cap, compression=compression
+                )
+                try:
+                    out[(name, label)] = train_custom_loop(strategy, "sgd_momentum", init_seed=rank * 101)
+                finally:
+                    strategy.close()
+        return out
+    finally:
+        owner.close()
+
+
+def test_multi_worker_mirrored_every_algorithm_equals_one_device(reference):
+    from spread.strategies.multi_worker_mirrored import COMMUNICATIONS
+
+    per_rank = run_ranks(_mwms_every_algorithm, 2, args=(list(COMMUNICATIONS),), timeout=240)
+    worst_compressed = 0.0
+    for rank, results in enumerate(per_rank):
+        for (name, label), weights in results.items():
+            diff = max_relative_difference(weights, reference["sgd_momentum"])
+            if label == "bf16":
+                worst_compressed = max(worst_compressed, diff)
+                assert diff <= COMPRESSED_TOLERANCE, f"rank {rank}, {name} bf16: {diff:.2e}"
+            else:
+                assert diff <= TOLERANCE, f"rank {rank}, {name} {label}: max relative difference {diff:.2e}"
+    print(f"bf16 compression: max relative weight difference {worst_compressed:.2e}")

@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from spread.comm.algorithms import AllReduceAlgorithm
 from spread.comm.ops import Collectives
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+COMPRESSIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -43,6 +45,7 @@ class _Bucket:
     offsets: list[int]
     numel: int
     buffer: torch.Tensor | None = None  # numel gradient slots, then one presence flag per parameter
+    wire: torch.Tensor | None = None  # the low-precision copy that is exchanged, with compression
     pending: object = field(default=None, repr=False)
     ready: int = 0  # parameters of this bucket whose gradient arrived in the current backward pass
 
@@ -82,9 +85,22 @@ class GradientReducer:
         collectives: Collectives,
         *,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        algorithm: AllReduceAlgorithm | None = None,
+        compression: str | None = None,
     ) -> None:
+        """``algorithm``: the all-reduce to use (default: ``collectives.all_reduce_async``, the
+        backend's own). ``compression``: ``"bf16"`` or ``"fp16"`` to exchange fp32/fp64 buckets as a
+        half-precision copy (half the bytes); buckets are packed and unpacked in full precision, and
+        the ring, reduce_to_one and shm algorithms add the halves in fp32, but gloo's native
+        all-reduce adds them in the low precision itself."""
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression must be None or one of {sorted(COMPRESSIONS)}, got {compression!r}"
+            )
+        self.algorithm = algorithm
+        self.wire_dtype = None if compression is None else COMPRESSIONS[compression]
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             if p.requires_grad:
@@ -159,6 +175,8 @@ class GradientReducer:
             for bucket in self.buckets:
                 bucket.pending.wait()  # type: ignore[attr-defined]
                 bucket.pending = None
+                if bucket.wire is not None:
+                    bucket.flat().copy_(bucket.wire)
                 self._unpack(bucket, ready, fresh)
         finally:
             for bucket in self.buckets:
@@ -170,7 +188,16 @@ class GradientReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         self._pack(bucket, self._ready, self._fresh)
-        bucket.pending = self.collectives.all_reduce_async(bucket.flat(), name="grad_all_reduce")
+        flat = bucket.flat()
+        if self.wire_dtype is not None and flat.dtype in (torch.float32, torch.float64):
+            if bucket.wire is None:
+                bucket.wire = torch.empty(flat.numel(), dtype=self.wire_dtype, device=flat.device)
+            bucket.wire.copy_(flat)
+            flat = bucket.wire
+        if self.algorithm is not None:
+            bucket.pending = self.algorithm.all_reduce_async(flat)
+        else:
+            bucket.pending = self.collectives.all_reduce_async(flat, name="grad_all_reduce")
 
     def _pack(self, bucket: _Bucket, ready: set[int], fresh: dict[int, torch.Tensor]) -> None:
         flat = bucket.flat()

@@ -22,7 +22,8 @@ _LOST_MARKERS = ("connection closed", "connection reset", "broken pipe", "connec
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 
 
-def _classify(rank: int, op: str, seq: int, exc: BaseException) -> CollectiveError:
+def classify_error(rank: int, op: str, seq: int, exc: BaseException) -> CollectiveError:
+    """A backend error as :class:`CollectiveTimeout`, :class:`PeerLostError` or :class:`CollectiveError`."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     lower = str(exc).lower()
     if any(m in lower for m in _TIMEOUT_MARKERS):
@@ -53,7 +54,7 @@ class Collectives:
         except CollectiveError:
             raise
         except (RuntimeError, dist.DistError) as exc:
-            raise _classify(self.rank, op, seq, exc) from exc
+            raise classify_error(self.rank, op, seq, exc) from exc
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, name: str = "all_reduce") -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks (``op`` in sum, max, min) and return it."""
@@ -71,7 +72,7 @@ class Collectives:
         try:
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
-            raise _classify(self.rank, name, seq, exc) from exc
+            raise classify_error(self.rank, name, seq, exc) from exc
         return PendingCollective(work, self.rank, name, seq)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str = "broadcast") -> torch.Tensor:
@@ -130,6 +131,6 @@ class PendingCollective:
         try:
             self._work.wait()
         except (RuntimeError, dist.DistError) as exc:
-            raise _classify(self._rank, self._name, self._seq, exc) from exc
+            raise classify_error(self._rank, self._name, self._seq, exc) from exc
         finally:
             self._work = None

@@ -20,21 +20,27 @@ from torch import nn
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous, default_backend, rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
+from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_algorithm
+from spread.comm.bucketing import COMPRESSIONS
 from spread.data import ReplicaLayout, StepInfo
 from spread.errors import SpreadError
 from spread.strategies.base import Strategy, SupportsNoSync, check_reduce_op
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.values import PerReplica
 
-COMMUNICATIONS = ("auto", "native")
+COMMUNICATIONS = ALGORITHM_NAMES  # "auto" and every name of spread.comm.algorithms.ALGORITHMS
 
 
 class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
     """Synchronous data parallelism with one replica per process.
 
     Args:
-        communication: the all-reduce algorithm; ``"auto"`` or ``"native"`` (the backend's own:
-            gloo on CPU, NCCL on GPU).
+        communication: the all-reduce algorithm: ``"native"`` (the backend's own: gloo on CPU,
+            NCCL on GPU), ``"ring"``, ``"reduce_to_one"``, ``"shm"`` (ranks on one machine),
+            ``"hierarchical"`` (nodes of ``cluster.local_world_size`` ranks), or ``"auto"`` (see
+            :mod:`spread.comm.algorithms` for the rule).
+        compression: ``None``, ``"bf16"`` or ``"fp16"``: exchange gradients as half-precision
+            copies (half the bytes; accumulation in fp32 except with ``"native"`` on gloo).
         cluster: the cluster spec; default: resolved from the environment.
         bucket_cap_mb: size of a gradient bucket (one all-reduce each).
         init_timeout: seconds for all ranks to join (default ``SPREAD_INIT_TIMEOUT`` or 120).
@@ -48,12 +54,18 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
         *,
         cluster: ClusterSpec | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        compression: str | None = None,
         init_timeout: float | None = None,
         collective_timeout: float | None = None,
     ) -> None:
         super().__init__()
         if communication not in COMMUNICATIONS:
             raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression must be None or one of {sorted(COMPRESSIONS)}, got {compression!r}"
+            )
+        self.compression = compression
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.communication = communication
@@ -84,6 +96,14 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
             )
         self.collectives = Collectives(device=self._device)
         self._reducer: GradientReducer | None = None
+        try:
+            self.algorithm: AllReduceAlgorithm = make_algorithm(
+                communication, self.collectives, local_world_size=self.cluster.local_world_size
+            )
+        except BaseException:
+            if self._rendezvous is not None:
+                self._rendezvous.close()
+            raise
 
     # -- topology ----------------------------------------------------------------------------------
     @property
@@ -115,7 +135,11 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
         if self._reducer is not None:
             self._reducer.close()
         self._reducer = GradientReducer(
-            self.managed_parameters, self.collectives, bucket_cap_mb=self.bucket_cap_mb
+            self.managed_parameters,
+            self.collectives,
+            bucket_cap_mb=self.bucket_cap_mb,
+            algorithm=self.algorithm,
+            compression=self.compression,
         )
 
     @contextmanager
@@ -164,6 +188,7 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
+        self.algorithm.close()
         if self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None

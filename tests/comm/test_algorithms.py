@@ -1,0 +1,178 @@
+"""Every all-reduce algorithm equals a float64 reference, for awkward sizes, four dtypes, 2-4 ranks.
+
+One launch per world size: the ranks loop over algorithms x sizes x dtypes and send back what the
+parent needs to compare (a digest of the result, not the 16 MB buffers themselves).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from spread.cluster import resolve_cluster
+from spread.cluster.rendezvous import rendezvous
+from spread.comm import Collectives
+from spread.comm.algorithms import ALGORITHM_NAMES, ALGORITHMS, make_algorithm, segment_bounds
+from spread.testing import run_ranks
+
+SIZES = [0, 1, 7, 13, 1_000_003, 4 * 2**20]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# Relative to the largest magnitude of the exact sum: fp16/bf16 allow a few ulps per hop.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 4 * 2**-10, torch.bfloat16: 4 * 2**-7}
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + numel % 997)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _local_world(world: int) -> int:
+    return {2: 1, 3: 3, 4: 2}[world]  # 2 nodes of 1, 1 node of 3, 2 nodes of 2
+
+
+def _rank_all_algorithms() -> dict:
+    world = int(os.environ["WORLD_SIZE"])
+    rdv = rendezvous(resolve_cluster())
+    try:
+        collectives = Collectives()
+        rank = collectives.rank
+        out: dict = {"errors": {}, "bytes": {}, "shm_files": None}
+        algos = {}
+        try:
+            for name in ALGORITHMS:
+                algos[name] = make_algorithm(name, collectives, local_world_size=_local_world(world))
+            for numel in SIZES:
+                for dtype in DTYPES:
+                    mine = _input(rank, numel, dtype)
+                    ref = sum(_input(r, numel, dtype).double() for r in range(world))
+                    scale = ref.abs().max().item() if numel else 1.0
+                    for name, algo in algos.items():
+                        buf = mine.clone()
+                        before = algo.bytes_sent
+                        if numel == 13:
+                            algo.all_reduce_async(buf).wait()
+                        else:
+                            algo.all_reduce(buf)
+                        err = (buf.double() - ref).abs().max().item() / scale if numel else 0.0
+                        out["errors"][(name, numel, str(dtype))] = err
+                        out["bytes"][(name, numel, str(dtype))] = algo.bytes_sent - before
+        finally:
+            for algo in algos.values():
+                algo.close()
+        collectives.barrier()
+        out["shm_files"] = [f for f in os.listdir("/dev/shm") if f.startswith("spread-shm-")]
+        return out
+    finally:
+        rdv.close()
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def results(request):
+    return request.param, run_ranks(_rank_all_algorithms, request.param, timeout=240)
+
+
+def test_every_algorithm_matches_float64_reference(results):
+    world, per_rank = results
+    for rank, out in enumerate(per_rank):
+        for (name, numel, dtype), err in out["errors"].items():
+            tol = TOLERANCE[getattr(torch, dtype.removeprefix("torch."))]
+            assert err <= tol, f"world {world} rank {rank} {name} numel {numel} {dtype}: {err:.2e} > {tol}"
+        assert {k[0] for k in out["errors"]} == set(ALGORITHMS)
+
+
+def test_ring_sends_two_n_minus_one_over_n(results):
+    world, per_rank = results
+    for numel in SIZES:
+        for dtype in DTYPES:
+            itemsize = torch.empty(0, dtype=getattr(torch, str(dtype).removeprefix("torch."))).element_size()
+            sent = [out["bytes"][("ring", numel, str(dtype))] for out in per_rank]
+            bounds = segment_bounds(numel, world)
+            seg = [bounds[i + 1] - bounds[i] for i in range(world)]
+            for r in range(world):
+                # every segment but r+1 in reduce-scatter, every segment but r+2 in all-gather
+                expected = (2 * numel - seg[(r + 1) % world] - seg[(r + 2) % world]) * itemsize
+                assert sent[r] == expected
+            assert sum(sent) == 2 * (world - 1) * numel * itemsize
+            if numel % world == 0:
+                assert all(s == 2 * (world - 1) * numel * itemsize // world for s in sent)
+
+
+def test_shm_leaves_nothing_in_dev_shm(results):
+    _, per_rank = results
+    assert all(out["shm_files"] == [] for out in per_rank)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("spread-shm-")]
+
+
+def _rank_bad_calls() -> list[str]:
+    rdv = rendezvous(resolve_cluster())
+    messages = []
+    try:
+        collectives = Collectives()
+        algo = make_algorithm("ring", collectives)
+        for bad in (torch.zeros(2, 2), torch.zeros(4, dtype=torch.int64), torch.zeros(8)[::2]):
+            try:
+                algo.all_reduce(bad)
+            except ValueError as exc:
+                messages.append(str(exc))
+        try:
+            make_algorithm("nope", collectives)
+        except ValueError as exc:
+            messages.append(str(exc))
+        messages.append(type(make_algorithm("auto", collectives)).__name__)
+        algo.close()
+        return messages
+    finally:
+        rdv.close()
+
+
+def test_validation_and_registry():
+    messages = run_ranks(_rank_bad_calls, 2, timeout=60)[0]
+    assert "1-D contiguous" in messages[0] and "int64" in messages[1] and "1-D contiguous" in messages[2]
+    assert all(name in messages[3] for name in ALGORITHM_NAMES)
+    assert messages[4] == "ShmAllReduce"
+
+
+def _rank_shm_peer_never_arrives() -> str:
+    from spread.comm.algorithms import ShmAllReduce
+    from spread.errors import CollectiveTimeout
+
+    rdv = rendezvous(resolve_cluster())
+    try:
+        collectives = Collectives()
+        algo = ShmAllReduce(collectives, timeout=0.5)
+        try:
+            if collectives.rank == 0:
+                try:
+                    algo.all_reduce(torch.ones(10))
+                except CollectiveTimeout as exc:
+                    return str(exc)
+            return ""
+        finally:
+            collectives.barrier()
+            algo.close()
+    finally:
+        rdv.close()
+
+
+def test_shm_barrier_times_out_naming_rank_and_op():
+    message = run_ranks(_rank_shm_peer_never_arrives, 2, timeout=60)[0]
+    assert message.startswith("rank 0: shm.all_reduce") and "ranks [1]" in message
+
+
+def _rank_bad_options() -> list[str]:
+    import spread
+
+    messages = []
+    for kwargs in ({"communication": "carrier_pigeon"}, {"compression": "int4"}):
+        try:
+            spread.MultiWorkerMirroredStrategy(**kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_strategy_rejects_unknown_communication_and_compression():
+    messages = run_ranks(_rank_bad_options, 1, timeout=60)[0]
+    assert "carrier_pigeon" in messages[0] and "shm" in messages[0] and "int4" in messages[1]
