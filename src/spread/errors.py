@@ -66,3 +66,18 @@ class CheckpointCorruptError(SpreadError):
 
 class NonFiniteLossError(SpreadError, FloatingPointError):
     """The loss became NaN or infinite and the policy is to stop."""
+
+
+class CheckpointMismatchError(SpreadError, ValueError):
+    """A valid checkpoint does not fit what it is loaded into (model, optimizer, strategy, shards).
+
+    ``problems`` lists every mismatched key or field, so one error tells the whole story.
+    """
+
+    def __init__(self, path: str, what: str, problems: list[str]) -> None:
+        self.path = path
+        self.problems = list(problems)
+        listing = "; ".join(problems[:20]) + (
+            f"; ... {len(problems) - 20} more" if len(problems) > 20 else ""
+        )
+        super().__init__(f"checkpoint {path} does not match the {what} it is loaded into: {listing}")

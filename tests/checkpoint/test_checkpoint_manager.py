@@ -13,7 +13,7 @@ import torch
 
 from spread.checkpoint import CheckpointManager
 from spread.checkpoint.atomic import CRASH_POINTS
-from spread.errors import CheckpointCorruptError, NonFiniteLossError
+from spread.errors import CheckpointCorruptError, CheckpointMismatchError, NonFiniteLossError
 
 
 def _state(step: int) -> dict:
@@ -130,3 +130,155 @@ def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path, point):
     assert step == expected and state["step"] == expected
     manager.save(3, _state(3))  # the next save cleans what the crash left behind
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+# -- C6: a checkpoint loaded into something else -------------------------------------------------------
+def test_mismatched_state_is_refused_listing_every_key(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"model": {"w": torch.zeros(3, 3), "b": torch.zeros(3), "old": torch.zeros(1)}})
+    like = {
+        "model": {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.float64), "new": torch.zeros(2)}
+    }
+    with pytest.raises(CheckpointMismatchError) as info:
+        manager.load_latest(like=like)
+    message = str(info.value)
+    assert "ckpt-0000000001" in message
+    assert "missing key 'model.new'" in message and "unexpected key 'model.old'" in message
+    assert "'model.w': saved (3, 3) float32, expected (4, 3) float32" in message
+    assert "'model.b': saved (3,) float32, expected (3,) float64" in message
+    assert len(info.value.problems) == 4
+    step, _ = manager.load_latest(
+        like={"model": {"w": torch.zeros(3, 3), "b": torch.zeros(3), "old": torch.ones(1)}}
+    )
+    assert step == 1
+
+
+# -- sharded (per-rank) state through torch.distributed.checkpoint --------------------------------------
+def _shards(rank: int, step: int) -> dict:
+    return {
+        "momentum": torch.full((4, 2), float(10 * rank + step)),
+        "counter": torch.tensor([rank, step], dtype=torch.int64),
+    }
+
+
+def _sharded_round_trip(directory: str) -> dict:
+    import torch.distributed as dist
+
+    from spread.cluster import resolve_cluster
+    from spread.cluster.rendezvous import rendezvous
+
+    rdzv = rendezvous(resolve_cluster())
+    try:
+        rank = dist.get_rank()
+        manager = CheckpointManager(directory, keep=2)
+        for step in (1, 2, 3):
+            manager.save(
+                step,
+                {"model": {"w": torch.full((2,), float(step))}, "step": step},
+                shards=_shards(rank, step),
+            )
+        step, state = manager.load_latest(shards_like=_shards(rank, 0))
+        shards = state["shards"]
+        wrong = {"momentum": torch.zeros(5, 2), "extra": torch.zeros(1)}
+        try:
+            manager.load_latest(shards_like=wrong)
+            mismatch = None
+        except CheckpointMismatchError as exc:
+            mismatch = exc.problems
+        return {
+            "step": step,
+            "model": state["model"]["w"].tolist(),
+            "momentum_equal": torch.equal(shards["momentum"], _shards(rank, 3)["momentum"]),
+            "counter": shards["counter"].tolist(),
+            "mismatch": mismatch,
+        }
+    finally:
+        rdzv.close()
+
+
+def test_sharded_state_round_trip_under_two_ranks(tmp_path):
+    from spread.testing import run_ranks
+
+    values = run_ranks(_sharded_round_trip, 2, args=(str(tmp_path),), timeout=120)
+    for rank, value in enumerate(values):
+        assert value["step"] == 3 and value["model"] == [3.0, 3.0]
+        assert value["momentum_equal"] and value["counter"] == [rank, 3]
+        assert value["mismatch"] == [
+            f"missing shard 'extra' for rank {rank}",
+            f"shard 'momentum' for rank {rank}: saved (4, 2) torch.float32, expected (5, 2) torch.float32",
+            f"unexpected shard 'counter' for rank {rank}",
+        ]
+    newest = tmp_path / "ckpt-0000000003"
+    files = sorted(p.name for p in newest.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "state.pt"]
+    import json
+
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert [p.name for p in CheckpointManager(tmp_path).checkpoints()] == [
+        "ckpt-0000000002",
+        "ckpt-0000000003",
+    ]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_sharded_state_in_one_process_and_a_flipped_shard_falls_back(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"step": 1}, shards=_shards(0, 1))
+    newest = manager.save(2, {"step": 2}, shards=_shards(0, 2))
+    step, state = manager.load_latest(shards_like=_shards(0, 0))
+    assert step == 2 and torch.equal(state["shards"]["momentum"], _shards(0, 2)["momentum"])
+    _flip_byte(newest / "__0_0.distcp")
+    with pytest.warns(RuntimeWarning, match=r"__0_0\.distcp does not match its checksum"):
+        step, state = manager.load_latest(shards_like=_shards(0, 0))
+    assert step == 1 and torch.equal(state["shards"]["counter"], torch.tensor([0, 1]))
+
+
+def test_a_checkpoint_without_shards_is_a_mismatch_when_shards_are_asked_for(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _state(1))
+    with pytest.raises(CheckpointMismatchError, match="holds no per-rank shards"):
+        manager.load_latest(shards_like=_shards(0, 0))
+
+
+def test_only_tensors_are_saved_per_rank(tmp_path):
+    with pytest.raises(TypeError, match="only tensors"):
+        CheckpointManager(tmp_path).save(1, {}, shards={"note": "text"})
+
+
+def _rewrite_metadata(directory, mutate) -> None:
+    from spread.checkpoint.atomic import write_manifest
+    from spread.checkpoint.sharded import RestrictedUnpickler
+
+    path = directory / ".metadata"
+    with open(path, "rb") as f:
+        metadata = RestrictedUnpickler(f).load()
+    path.write_bytes(mutate(metadata))
+    (directory / "manifest.json").unlink()
+    write_manifest(directory, {"step": 2})  # a consistent manifest: only the trust boundary stops it
+
+
+def _payload_pickle(metadata) -> bytes:
+    return pickle.dumps(_Payload())
+
+
+def _escaping_path(metadata) -> bytes:
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    return pickle.dumps(metadata)
+
+
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [(_payload_pickle, r"refers to posix\.system|refers to os\.system"), (_escaping_path, "storage path")],
+)
+def test_dcp_metadata_outside_the_trust_boundary_is_refused(tmp_path, monkeypatch, mutate, reason):
+    monkeypatch.chdir(tmp_path)
+    manager = CheckpointManager(tmp_path / "ckpts")
+    manager.save(1, {"step": 1}, shards=_shards(0, 1))
+    evil = manager.save(2, {"step": 2}, shards=_shards(0, 2))
+    _rewrite_metadata(evil, mutate)
+    with pytest.warns(RuntimeWarning, match=rf"ckpt-0000000002 is unusable .*({reason}).*never unpickled"):
+        step, state = manager.load_latest(shards_like=_shards(0, 0))
+    assert step == 1 and torch.equal(state["shards"]["counter"], torch.tensor([0, 1]))
+    assert not (tmp_path / "PWNED").exists()

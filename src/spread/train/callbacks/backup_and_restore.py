@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from spread.checkpoint import CheckpointManager
+from spread.checkpoint.compat import field_mismatches, optimizer_mismatches, raise_if, tensor_mismatches
 from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
 
@@ -57,6 +58,7 @@ class BackupAndRestore(Callback):
         if found is None:
             return
         step, state = found
+        self._check_compatible(state, step)
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.global_step = int(state["global_step"])
@@ -75,6 +77,25 @@ class BackupAndRestore(Callback):
             "sums": state["sums"],
         }
         self.restored_step = step
+
+    def _config(self) -> dict[str, Any]:
+        """What must be unchanged for an exact resume: the strategy, its replicas, the batch size."""
+        trainer = self.trainer
+        return {
+            "strategy": type(trainer.strategy).__name__,
+            "num_replicas_in_sync": trainer.strategy.num_replicas_in_sync,
+            "global_batch_size": trainer.params.get("global_batch_size"),
+            "optimizer": type(trainer.optimizer).__name__,
+        }
+
+    def _check_compatible(self, state: dict[str, Any], step: int) -> None:
+        """Refuse, listing every difference, a backup made for another model, optimizer or strategy."""
+        trainer = self.trainer
+        problems = field_mismatches(state.get("config", {}), self._config())
+        problems += tensor_mismatches(state["model"], trainer.model.state_dict())
+        problems += optimizer_mismatches(state["optimizer"], trainer.optimizer)
+        where = self.manager.directory / f"ckpt-{step:010d}"
+        raise_if(problems, str(where), "model, optimizer and strategy")
 
     # -- back up ---------------------------------------------------------------------------------
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
@@ -103,6 +124,7 @@ class BackupAndRestore(Callback):
         )
         version, internal, gauss = random.getstate()
         state: dict[str, Any] = {
+            "config": self._config(),
             "model": trainer.model.state_dict(),
             "optimizer": trainer.optimizer.state_dict(),
             "global_step": trainer.global_step,
