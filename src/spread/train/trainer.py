@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from spread.errors import NonFiniteLossError
+from spread.memory.accumulation import check_accumulation_steps, micro_batches
 from spread.strategies import Strategy, make_strategy
 from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
 from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
@@ -52,6 +53,9 @@ class Trainer:
         callbacks: added to every ``fit`` call (History and ProgressBar are added for you).
         on_nonfinite: ``"raise"`` stops with NonFiniteLossError before the weights change;
             ``"skip_step"`` drops that step's update and goes on.
+        accumulation_steps: run each replica's slice of the global batch as this many micro-batches
+            (forward and backward each), then step once: the update of the whole global batch with
+            about 1/k of the activation memory; gradients are exchanged once per step.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Trainer:
         metrics: Sequence[str | MetricFn] | None = None,
         callbacks: Sequence[Callback] | None = None,
         on_nonfinite: str = "raise",
+        accumulation_steps: int = 1,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
@@ -74,6 +79,7 @@ class Trainer:
         self.metrics = resolve_metrics(metrics)
         self.callbacks = list(callbacks or [])
         self.on_nonfinite = on_nonfinite
+        self.accumulation_steps = check_accumulation_steps(accumulation_steps)
         self.stop_training = False
         self.params: dict[str, Any] = {}
         self.epoch = 0
@@ -99,12 +105,27 @@ class Trainer:
 
     def _train_replica_step(self, batch: Any) -> torch.Tensor:
         x, y = _split_batch(batch)
+        if self.accumulation_steps > 1:
+            return self._accumulate_replica_step(x, y)
         n = _num_samples(y)
         y_pred = self.model(x)
         loss = self.loss_fn(y_pred, y)
         # A replica with no samples still takes part in the gradient exchange, with zero gradients.
         (loss if n else y_pred.sum() * 0.0).backward()
         return self._stats(y_pred, y, loss, n)
+
+    def _accumulate_replica_step(self, x: Any, y: Any) -> torch.Tensor:
+        """Micro-batches of this replica's slice; each mean loss weighted by its share of the slice
+        (see spread.memory.accumulation); only the last backward exchanges gradients."""
+        stats = None
+        for micro in micro_batches((x, y), self.accumulation_steps, strategy=self.strategy):
+            (mx, my), n = micro.data, micro.num_samples
+            y_pred = self.model(mx)
+            loss = self.loss_fn(y_pred, my)
+            (loss * micro.weight if n else y_pred.sum() * 0.0).backward()
+            part = self._stats(y_pred, my, loss, n)
+            stats = part if stats is None else stats + part
+        return stats
 
     def _eval_replica_step(self, batch: Any) -> torch.Tensor:
         x, y = _split_batch(batch)

@@ -1,0 +1,121 @@
+"""Gradient accumulation: one optimizer step computed in several smaller forward/backward passes.
+
+Why: the activations a forward pass keeps grow with the batch it sees. Splitting each replica's slice
+of the global batch into ``k`` micro-batches divides that memory by about ``k`` while the update stays
+the one of the whole global batch.
+
+Weighting (why the result equals the whole batch, uneven sizes included): every strategy weights a
+replica's gradient by the replica's share ``n_r / N`` of the global batch, assuming a per-replica
+*mean* loss. Inside a replica, micro-batch ``m`` with ``c_m`` samples multiplies its mean loss by
+``c_m / n_r`` (:attr:`MicroBatch.weight`), so every sample ends up weighing ``1 / N``, exactly as one
+device on the global batch.
+
+Communication: the backward passes of all but the last micro-batch run inside the strategy's
+``no_sync()`` (strategies that exchange gradients between processes have one), so gradients are
+exchanged once per step, after the last micro-batch, and that exchange carries everything
+accumulated. Strategies without ``no_sync`` (one device, replicas on threads) never communicate.
+
+Not equal to the whole batch: layers whose forward depends on the batch (BatchNorm statistics) and
+random draws (dropout masks are drawn per micro-batch, so they differ from one large draw).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from spread.data import split_sizes
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch of a replica's batch.
+
+    Attributes:
+        data: the micro-batch, the same structure as the batch it was cut from.
+        index: its position, from 0 to ``count - 1``.
+        count: how many micro-batches this replica's batch was split into.
+        num_samples: samples in this micro-batch.
+        weight: multiply the micro-batch's *mean* loss by this before ``backward()``
+            (``num_samples`` over the replica's samples; 0.0 for an empty replica batch).
+    """
+
+    data: Any
+    index: int
+    count: int
+    num_samples: int
+    weight: float
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def check_accumulation_steps(steps: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"accumulation_steps must be a positive integer, got {steps!r}")
+    return steps
+
+
+def split_batch(batch: Any, num_micro_batches: int) -> list[tuple[Any, int]]:
+    """Cut ``batch`` along dimension 0 into at most ``num_micro_batches`` pieces of sizes differing by
+    at most one; returns ``(piece, samples)`` pairs. Every leaf of ``batch`` (a tensor, or a tuple,
+    list or dict of tensors) must hold the same number of samples. A batch with fewer samples than
+    ``num_micro_batches`` gives one piece per sample; an empty batch gives itself, once."""
+    check_accumulation_steps(num_micro_batches)
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+        raise TypeError(
+            "gradient accumulation splits batches along dimension 0 and needs every leaf of the batch to "
+            "be a tensor with a batch dimension; got leaves of types "
+            f"{sorted({type(t).__name__ for t in leaves})}"
+        )
+    sizes = {int(t.shape[0]) for t in leaves}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"the batch's tensors disagree on the number of samples (dimension 0): {sorted(sizes)}"
+        )
+    (n,) = sizes
+    if num_micro_batches == 1 or n == 0:
+        return [(batch, n)]
+    parts = [s for s in split_sizes(n, min(num_micro_batches, n)) if s > 0]
+    pieces = [t.split(parts) for t in leaves]
+    return [(pytree.tree_unflatten([p[i] for p in pieces], spec), size) for i, size in enumerate(parts)]
+
+
+def no_sync_context(strategy: Any) -> AbstractContextManager[Any]:
+    """The strategy's ``no_sync()`` when it has one (it exchanges gradients), else a no-op."""
+    no_sync = getattr(strategy, "no_sync", None)
+    return no_sync() if callable(no_sync) else nullcontext()
+
+
+def micro_batches(batch: Any, num_micro_batches: int, *, strategy: Any = None) -> Iterator[MicroBatch]:
+    """Yield a replica's ``batch`` as micro-batches for gradient accumulation (custom loops).
+
+    Call it inside ``strategy.run``, and run forward and ``(mean_loss * micro.weight).backward()`` once
+    per micro-batch; step the optimizer after ``run`` as usual::
+
+        def train_step(batch):
+            for micro in spread.memory.micro_batches(batch, 4, strategy=strategy):
+                x, y = micro.data
+                (loss_fn(model(x), y) * micro.weight).backward()
+
+    With ``strategy`` given, every micro-batch but the last is yielded inside ``strategy.no_sync()``
+    (when it has one), so only the last backward exchanges gradients. Without it the result is the
+    same, but every backward pass exchanges.
+    """
+    parts = split_batch(batch, num_micro_batches)
+    total = sum(size for _, size in parts)
+    count = len(parts)
+    for index, (data, size) in enumerate(parts):
+        micro = MicroBatch(data, index, count, size, size / total if total else 0.0)
+        if index < count - 1:
+            with no_sync_context(strategy):
+                yield micro
+        else:
+            yield micro
