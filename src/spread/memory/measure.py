@@ -28,6 +28,10 @@ class SavedTensorBytes(saved_tensors_hooks):
         self.tensors = 0
         super().__init__(self._pack, _unpack)
 
+    def __enter__(self) -> SavedTensorBytes:
+        super().__enter__()
+        return self
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()

@@ -58,6 +58,10 @@ class OffloadActivations(saved_tensors_hooks):
         self.saved = self.offloaded = self.offloaded_bytes = self.restored = 0
         super().__init__(self._pack, self._unpack)
 
+    def __enter__(self) -> OffloadActivations:
+        super().__enter__()
+        return self
+
     def _pack(self, tensor: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
         self.saved += 1
         nbytes = tensor.numel() * tensor.element_size()
