@@ -1,8 +1,10 @@
 """All-reduce microbenchmark: bus bandwidth of each algorithm vs gloo's own, 2 local processes.
 
 Bus bandwidth = 2(N-1)/N * bytes / time (the nccl-tests convention: what each rank's link carries
-in a bandwidth-optimal all-reduce). fp32 buffers allocated and touched once per size, reused by
-every repetition; ranks meet at a barrier before each timed call; the median of rank 0's times.
+in a bandwidth-optimal all-reduce). fp32 buffers allocated once per size with each algorithm's own
+``allocate`` (``shm``: in shared memory, as the gradient buckets are) and reused by every repetition;
+the ``shm staged`` column passes plain buffers to ``shm`` (copied in and out). Ranks meet at a
+barrier before each timed call; the median of rank 0's times.
 
     python benchmarks/allreduce_bus.py [--nprocs 2] [--reps 7]
 """
@@ -33,8 +35,10 @@ def _bench(reps: int) -> dict:
         out = {}
         try:
             for nbytes in SIZES:
-                buf = torch.ones(nbytes // 4)
-                for name, algo in algos.items():
+                plain = torch.ones(nbytes // 4)
+                for name, algo in [*algos.items(), ("shm staged", algos["shm"])]:
+                    buf = plain if name == "shm staged" else algo.allocate(nbytes // 4, torch.float32)
+                    buf.fill_(1.0)
                     algo.all_reduce(buf)  # warm-up (connections, scratch buffers)
                     times = []
                     for _ in range(reps if nbytes < 16 << 20 else max(3, reps // 2)):
@@ -58,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     times = run_ranks(_bench, args.nprocs, args=(args.reps,), timeout=600)[0]
     n = args.nprocs
-    names = list(ALGORITHMS)
+    names = [*ALGORITHMS, "shm staged"]
     print(f"bus bandwidth GB/s (ratio to native), {n} processes, fp32, median time")
     print("| size | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")

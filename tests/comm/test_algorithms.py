@@ -20,6 +20,7 @@ from spread.testing import run_ranks
 SIZES = [0, 1, 7, 13, 1_000_003, 4 * 2**20]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # Relative to the largest magnitude of the exact sum: fp16/bf16 allow a few ulps per hop.
+REGISTERED = ["shm", "hierarchical"]  # algorithms whose allocate() differs from a plain tensor
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 4 * 2**-10, torch.bfloat16: 4 * 2**-7}
 
 
@@ -43,13 +44,26 @@ def _rank_all_algorithms() -> dict:
         try:
             for name in ALGORITHMS:
                 algos[name] = make_algorithm(name, collectives, local_world_size=_local_world(world))
+            # Buffers from the algorithm's own allocator (shm: in shared memory, summed without
+            # copies), sliced at an odd offset as the gradient buckets slice their arena.
+            registered = {
+                (name, dtype): algos[name].allocate(max(SIZES) + 3, dtype)
+                for name in REGISTERED
+                for dtype in DTYPES
+            }
             for numel in SIZES:
                 for dtype in DTYPES:
                     mine = _input(rank, numel, dtype)
                     ref = sum(_input(r, numel, dtype).double() for r in range(world))
                     scale = ref.abs().max().item() if numel else 1.0
-                    for name, algo in algos.items():
-                        buf = mine.clone()
+                    for name, algo, buf in [
+                        *((name, algo, mine.clone()) for name, algo in algos.items()),
+                        *(
+                            (f"{name}+allocate", algos[name], registered[(name, dtype)][3 : 3 + numel])
+                            for name in REGISTERED
+                        ),
+                    ]:
+                        buf.copy_(mine)
                         before = algo.bytes_sent
                         if numel == 13:
                             algo.all_reduce_async(buf).wait()
@@ -79,7 +93,7 @@ def test_every_algorithm_matches_float64_reference(results):
         for (name, numel, dtype), err in out["errors"].items():
             tol = TOLERANCE[getattr(torch, dtype.removeprefix("torch."))]
             assert err <= tol, f"world {world} rank {rank} {name} numel {numel} {dtype}: {err:.2e} > {tol}"
-        assert {k[0] for k in out["errors"]} == set(ALGORITHMS)
+        assert {k[0] for k in out["errors"]} == set(ALGORITHMS) | {f"{n}+allocate" for n in REGISTERED}
 
 
 def test_ring_sends_two_n_minus_one_over_n(results):

@@ -76,6 +76,14 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
     return buckets
 
 
+def _plain_allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
 class GradientReducer:
     """Hooks ``params`` so that each backward pass ends with a bucketed, weighted all-reduce."""
 
@@ -108,6 +116,7 @@ class GradientReducer:
         self.params = list(unique.values())
         self.collectives = collectives
         self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20))
+        self._allocate_buffers()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0  # buckets are launched strictly in index order, the same on every rank
         self.grad_scale = 1.0 / collectives.world_size
@@ -121,6 +130,28 @@ class GradientReducer:
         for p in self.params:
             self._handles.append(p.register_hook(self._make_pre_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook))
+
+    def _allocate_buffers(self) -> None:
+        """One arena per (device, dtype) from the algorithm's allocator (collective, the same on every
+        rank), sliced into the buckets' flat buffers (and their half-precision wire copies): with
+        ``shm`` they live in shared memory and the exchange copies nothing."""
+        allocate = self.algorithm.allocate if self.algorithm is not None else _plain_allocate
+        groups: dict[tuple, list[_Bucket]] = {}
+        for bucket in self.buckets:
+            p0 = bucket.params[0]
+            groups.setdefault((p0.device, p0.dtype), []).append(bucket)
+        for (device, dtype), buckets in groups.items():
+            sizes = [_round_up(b.numel + len(b.params), 16) for b in buckets]
+            arena = allocate(sum(sizes), dtype, device)
+            wire_dtype = self.wire_dtype if dtype in (torch.float32, torch.float64) else None
+            wire = allocate(sum(sizes), wire_dtype, device) if wire_dtype is not None else None
+            offset = 0
+            for bucket, size in zip(buckets, sizes, strict=True):
+                n = bucket.numel + len(bucket.params)
+                bucket.buffer = arena[offset : offset + n]
+                if wire is not None:
+                    bucket.wire = wire[offset : offset + n]
+                offset += size
 
     # -- hooks -----------------------------------------------------------------------------------
     def _make_pre_hook(self, p: nn.Parameter):
@@ -189,9 +220,7 @@ class GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         self._pack(bucket, self._ready, self._fresh)
         flat = bucket.flat()
-        if self.wire_dtype is not None and flat.dtype in (torch.float32, torch.float64):
-            if bucket.wire is None:
-                bucket.wire = torch.empty(flat.numel(), dtype=self.wire_dtype, device=flat.device)
+        if bucket.wire is not None:
             bucket.wire.copy_(flat)
             flat = bucket.wire
         if self.algorithm is not None:

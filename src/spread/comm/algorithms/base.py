@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ClassVar
 
@@ -55,11 +56,23 @@ def segment_bounds(numel: int, parts: int) -> list[int]:
 class PendingAllReduce:
     """An all-reduce in flight; ``wait()`` returns once the buffer holds the sum (or raises)."""
 
-    def __init__(self, future: Future | None = None, work: dist.Work | None = None, *, rank=0, op="", seq=0):
-        self._future, self._work = future, work
+    def __init__(
+        self,
+        future: Future | None = None,
+        work: dist.Work | None = None,
+        *,
+        run: Callable[[], None] | None = None,
+        rank=0,
+        op="",
+        seq=0,
+    ):
+        self._future, self._work, self._run = future, work, run
         self._rank, self._op, self._seq = rank, op, seq
 
     def wait(self) -> None:
+        if self._run is not None:  # a deferred call: do the work now, on this thread
+            run, self._run = self._run, None
+            run()
         if self._future is not None:
             future, self._future = self._future, None
             future.result()
@@ -120,6 +133,12 @@ class AllReduceAlgorithm(ABC):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zero-filled 1-D buffer that this algorithm all-reduces fastest (collective: every rank
+        allocates the same sizes in the same order). Default: a plain tensor; ``shm`` places it in
+        shared memory so that the exchange needs no copy."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     # -- the hook ---------------------------------------------------------------------------------
     @abstractmethod

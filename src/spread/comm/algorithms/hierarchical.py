@@ -71,6 +71,12 @@ class HierarchicalAllReduce(AllReduceAlgorithm):
                 dist.broadcast(buffer, src=leader, group=self._node_group)
         self.bytes_sent += self._inner_bytes() - before
 
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """In shared memory when the node's sum goes through ``shm`` (no copy inside the node)."""
+        if self.inner is not None:
+            return self.inner.allocate(numel, dtype, device)
+        return super().allocate(numel, dtype, device)
+
     def _inner_bytes(self) -> int:
         return sum(a.bytes_sent for a in (self.inner, self.outer) if a is not None)
 

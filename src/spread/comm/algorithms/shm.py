@@ -1,22 +1,41 @@
-"""``shm``: ranks on one machine sum through a shared-memory segment instead of loopback TCP.
+"""``shm``: ranks on one machine sum through shared memory instead of loopback TCP.
 
-Layout of the segment (created by the group's first rank under ``/dev/shm``, mapped by every
-rank, and unlinked as soon as all have mapped it, so nothing is left behind even after a crash):
-one int64 sequence counter per rank (64 bytes apart), then ``N + 1`` slots of ``chunk_bytes``:
-one input slot per rank and one output slot. Per chunk of the buffer (default 8 MiB):
+Why: between processes on one host, gloo's all-reduce goes through the loopback network (latency
+bound, and most of its CPU time is kernel time), while reading another process's memory through a
+shared mapping costs what a ``memcpy`` costs. So the ranks map the same pages and each one sums a
+slice of the buffer.
 
-1. each rank copies its chunk into its input slot, then bumps its counter (barrier A);
-2. rank ``r`` sums slice ``r`` of the chunk over all input slots into the output slot
-   (fp16/bf16 in fp32, rounded once), then bumps its counter (barrier B);
-3. each rank copies the output slot back into its buffer.
+**Registered buffers (zero copy).** :meth:`ShmAllReduce.allocate` returns a tensor that lives inside
+a shared segment holding one copy per rank (collective: every rank allocates the same sizes in the
+same order; :class:`~spread.comm.bucketing.GradientReducer` allocates its buckets this way). An
+all-reduce of a registered buffer (or of any slice of one) is then:
 
-The next chunk's step 1 cannot overwrite an input another rank still reads (that rank has not passed
-barrier B yet), and step 2 cannot overwrite an output another rank still copies (it would need that
-rank's barrier A). A barrier spins on the counters (yielding, then sleeping briefly) and raises
-:class:`~spread.errors.CollectiveTimeout` at the collective deadline. The counters rely on stores
-becoming visible in program order (x86-64's memory model).
+1. barrier: every rank has written its input;
+2. rank ``r`` sums slice ``r`` over the ``N`` copies (in rank order, fp16/bf16 in fp32, rounded
+   once) and writes the sum into every rank's copy of that slice, in cache-sized pieces;
+3. barrier: every slice is summed, so every rank's copy holds the full sum.
 
-``bytes_sent`` counts what this rank writes into shared memory: its buffer plus its reduced slice.
+Each rank reads ``N/N`` and writes ``N/N`` of one buffer: no copy in, no copy out. Between step 3
+and the next call's step 1 nobody writes another rank's copy, so the owner may read and refill it.
+
+**Other buffers** go through a per-rank staging slot of ``chunk_bytes`` (default 8 MiB) in the
+same way, with a copy in before step 1 and a copy out after step 3, chunk by chunk.
+
+**Barriers** spin on one int64 counter per rank (64 bytes apart) for a few microseconds, then yield
+the core, then sleep in growing steps, and raise :class:`~spread.errors.CollectiveTimeout` at the
+collective deadline naming the ranks that did not arrive. They rely on stores becoming visible in
+program order (x86-64's memory model), so ``shm`` refuses other CPU architectures.
+
+**Asynchronous calls** (``all_reduce_async``) are deferred: the sum runs, in call order, when its
+``wait()`` (or any later call) needs it, on the caller's thread. With one rank per core there is no
+spare core for a communication thread, and the exchange is a few milliseconds of memory traffic, so
+running it after backward costs less than a thread fighting backward for the core.
+
+Segments are created under ``/dev/shm`` by the group's first rank, mapped by every rank, and unlinked
+as soon as all have mapped them: nothing is left behind, even after a crash.
+
+``bytes_sent`` counts what this rank writes into shared memory that other ranks read: its input
+(staged buffers only) plus its summed slice once per other rank.
 """
 
 from __future__ import annotations
@@ -24,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import platform
 import secrets
 import socket
 import time
@@ -31,12 +51,21 @@ import time
 import torch
 
 from spread.cluster.rendezvous import default_collective_timeout
-from spread.comm.algorithms.base import LOW_PRECISION, AllReduceAlgorithm, segment_bounds
+from spread.comm.algorithms.base import (
+    LOW_PRECISION,
+    SUPPORTED_DTYPES,
+    AllReduceAlgorithm,
+    PendingAllReduce,
+    segment_bounds,
+)
 from spread.comm.ops import Collectives
 from spread.errors import CollectiveTimeout
 
 DEFAULT_CHUNK_BYTES = 8 << 20
+PIECE_BYTES = 256 << 10  # summed and copied out while it is still in the core's cache
 _COUNTER_STRIDE = 8  # int64 slots: one counter per 64-byte cache line
+_ALIGN = 4096  # each rank's copy starts on its own page
+_SPIN = 2000  # counter reads before the first yield (a few microseconds)
 
 
 def same_host(collectives: Collectives) -> bool:
@@ -49,6 +78,41 @@ def same_host(collectives: Collectives) -> bool:
     collectives.all_reduce(lo, "min", name="same_host")
     collectives.all_reduce(hi, "max", name="same_host")
     return bool(lo.item() == hi.item())
+
+
+def shm_supported() -> bool:
+    """Whether this CPU orders stores the way the barriers need (x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class _Segment:
+    """One shared mapping with ``N`` equally sized, page-aligned per-rank regions."""
+
+    def __init__(self, mm: mmap.mmap, offset: int, region_bytes: int, world_size: int) -> None:
+        self.mm, self.offset, self.region_bytes = mm, offset, region_bytes
+        self.world_size = world_size
+        self.base = 0  # address of region 0, set once a view exists
+        self.views: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def regions(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's region as a 1-D tensor of ``dtype``."""
+        have = self.views.get(dtype)
+        if have is None:
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            count = self.region_bytes // itemsize
+            have = [
+                torch.frombuffer(
+                    self.mm, dtype=dtype, count=count, offset=self.offset + k * self.region_bytes
+                )
+                for k in range(self.world_size)
+            ]
+            self.views[dtype] = have
+            self.base = have[0].data_ptr()
+        return have
 
 
 class ShmAllReduce(AllReduceAlgorithm):
@@ -66,125 +130,239 @@ class ShmAllReduce(AllReduceAlgorithm):
         super().__init__(collectives)
         if chunk_bytes < 64:
             raise ValueError(f"chunk_bytes must be at least 64, got {chunk_bytes!r}")
+        if not shm_supported():
+            raise ValueError(
+                f"communication 'shm' relies on x86-64 store ordering; this CPU is {platform.machine()}. "
+                "Use 'native'"
+            )
         if not same_host(collectives):
             raise ValueError(
                 "communication 'shm' needs every rank on one machine, but the ranks run on different "
                 "hosts; use 'hierarchical' (shared memory inside each node) or 'native'"
             )
-        self.chunk_bytes = chunk_bytes // 64 * 64
+        self.chunk_bytes = _round_up(chunk_bytes, 64)
         self.timeout = default_collective_timeout() if timeout is None else timeout
         self._generation = 0
-        self._views: dict[torch.dtype, torch.Tensor] = {}
-        self._mm: mmap.mmap | None = None
-        self._counters: torch.Tensor | None = None
+        self._segments: list[_Segment] = []  # [0]: the staging slots; then registered buffers
+        self._peer_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+        self._deferred: list[tuple[torch.Tensor, int]] = []
+        self._counters: memoryview | None = None
+        self._control: mmap.mmap | None = None
         if self.world_size > 1:
-            self._attach()
+            n = self.world_size
+            self._control = self._map(n * _COUNTER_STRIDE * 8, "shm.control")
+            self._counters = memoryview(self._control).cast("q")
+            self._staging = self._new_segment(self.chunk_bytes)
 
-    def _attach(self) -> None:
-        n = self.world_size
-        self._header = n * _COUNTER_STRIDE * 8
-        size = self._header + (n + 1) * self.chunk_bytes
+    # -- shared segments ---------------------------------------------------------------------------
+    def _map(self, size: int, what: str) -> mmap.mmap:
+        """Create (first rank) and map (every rank) a zero-filled shared file of ``size`` bytes."""
         token = torch.zeros(16, dtype=torch.uint8, device=self.collectives.device)
         if self.rank == 0:
             token.copy_(torch.tensor(list(secrets.token_bytes(16)), dtype=torch.uint8))
-        self.collectives.broadcast(token, src=self.peers[0], name="shm.token")
+        self.collectives.broadcast(token, src=self.peers[0], name=f"{what}.token")
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
         path = os.path.join(folder, f"spread-shm-{bytes(token.cpu().tolist()).hex()}")
         try:
             if self.rank == 0:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                os.ftruncate(fd, size)
-                os.close(fd)
-            self.collectives.barrier(name="shm.create")
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            self.collectives.barrier(name=f"{what}.create")
             fd = os.open(path, os.O_RDWR)
             try:
-                self._mm = mmap.mmap(fd, size)
+                mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            self.collectives.barrier(name="shm.attach")
+            self.collectives.barrier(name=f"{what}.attach")
         finally:
             if self.rank == 0 and os.path.exists(path):
                 os.unlink(path)  # every rank has it mapped (or the setup failed): nothing to leave behind
-        self._counters = torch.frombuffer(self._mm, dtype=torch.int64, count=n * _COUNTER_STRIDE)[
-            ::_COUNTER_STRIDE
-        ]
+        return mm
 
-    def _slots(self, dtype: torch.dtype) -> torch.Tensor:
-        view = self._views.get(dtype)
-        if view is None:
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            per_slot = self.chunk_bytes // itemsize
-            n = self.world_size
-            flat = torch.frombuffer(self._mm, dtype=dtype, count=(n + 1) * per_slot, offset=self._header)
-            view = self._views[dtype] = flat.view(n + 1, per_slot)
-        return view
+    def _new_segment(self, region_bytes: int) -> _Segment:
+        region_bytes = _round_up(max(region_bytes, 64), _ALIGN)
+        mm = self._map(region_bytes * self.world_size, "shm.allocate")
+        segment = _Segment(mm, 0, region_bytes, self.world_size)
+        self._segments.append(segment)
+        return segment
 
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zero-filled buffer in shared memory, all-reduced without copies (collective: every rank
+        must allocate the same ``numel`` and ``dtype`` in the same order)."""
+        if torch.device(device).type != "cpu" or self.world_size == 1:
+            return super().allocate(numel, dtype, device)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        segment = self._new_segment(numel * itemsize)
+        return segment.regions(dtype)[self.rank][:numel]
+
+    def _registered(self, buffer: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's copy of ``buffer`` if it lies in a registered segment, else None."""
+        key = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
+        have = self._peer_views.get(key)
+        if have is not None:
+            return have
+        nbytes = buffer.numel() * buffer.element_size()
+        for segment in self._segments[1:]:
+            regions = segment.regions(buffer.dtype)
+            start = buffer.data_ptr() - regions[self.rank].data_ptr()
+            if start >= 0 and start + nbytes <= segment.region_bytes and start % buffer.element_size() == 0:
+                first = start // buffer.element_size()
+                have = [region[first : first + buffer.numel()] for region in regions]
+                self._peer_views[key] = have
+                return have
+        return None
+
+    # -- barriers ---------------------------------------------------------------------------------
     def _barrier(self, op: str) -> None:
         self._generation += 1
-        generation, counters = self._generation, self._counters
-        counters[self.rank] = generation
+        generation, counters, n = self._generation, self._counters, self.world_size
+        counters[self.rank * _COUNTER_STRIDE] = generation
+        others = [k * _COUNTER_STRIDE for k in range(n) if k != self.rank]
+        for _ in range(_SPIN):
+            if all(counters[i] >= generation for i in others):
+                return
         start = time.monotonic()
-        while int(counters.min()) < generation:
+        while not all(counters[i] >= generation for i in others):
             waited = time.monotonic() - start
-            if waited > self.timeout:
-                behind = [r for r, c in enumerate(counters.tolist()) if c < generation]
+            if waited < 2e-3:
+                os.sched_yield()
+            elif waited < self.timeout:
+                time.sleep(5e-5 if waited < 2e-2 else 5e-4)
+            else:
+                behind = [k for k in range(n) if counters[k * _COUNTER_STRIDE] < generation]
                 raise CollectiveTimeout(
                     self.rank, op, generation, f"ranks {behind} did not reach the shared-memory barrier"
                 )
-            time.sleep(0 if waited < 1e-4 else 2e-5 if waited < 1e-2 else 2e-4)
+
+    # -- the algorithm ----------------------------------------------------------------------------
+    def _sum_my_slice(self, copies: list[torch.Tensor], numel: int) -> int:
+        """Sum this rank's slice of ``copies[k][:numel]`` over k and write it into every copy;
+        return the slice's length."""
+        n, r = self.world_size, self.rank
+        bounds = segment_bounds(numel, n)
+        lo, hi = bounds[r], bounds[r + 1]
+        dtype = copies[0].dtype
+        low = dtype in LOW_PRECISION
+        step = max(1, PIECE_BYTES // copies[0].element_size())
+        acc_all = None
+        if low or n > 2:
+            acc_all = self._scratch(
+                "acc", torch.float32 if low else dtype, min(step, hi - lo), copies[0].device
+            )
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            parts = [c[a:b] for c in copies]
+            if acc_all is None:  # two ranks, full precision: sum in place, copy to the other
+                parts[0].add_(parts[1])
+                parts[1].copy_(parts[0])
+                continue
+            acc = acc_all[: b - a]
+            acc.copy_(parts[0])
+            for part in parts[1:]:
+                acc.add_(part)
+            parts[0].copy_(acc)
+            for part in parts[1:]:
+                part.copy_(parts[0])
+        return hi - lo
 
     def _all_reduce_flat(self, buffer: torch.Tensor) -> None:
         if buffer.device.type != "cpu":
             raise ValueError(f"communication 'shm' reduces CPU buffers, got one on {buffer.device}")
-        n, r = self.world_size, self.rank
-        slots = self._slots(buffer.dtype)
-        chunk = slots.shape[1]
+        self._flush()
+        self._reduce_now(buffer)
+
+    def _reduce_now(self, buffer: torch.Tensor) -> None:
+        n, itemsize = self.world_size, buffer.element_size()
+        copies = self._registered(buffer)
+        if copies is not None:
+            self._barrier("shm.all_reduce")
+            mine = self._sum_my_slice(copies, buffer.numel())
+            self._barrier("shm.all_reduce")
+            self.bytes_sent += (n - 1) * mine * itemsize
+            return
+        slots = self._staging.regions(buffer.dtype)
+        chunk = self._staging.region_bytes // itemsize
         for start in range(0, buffer.numel(), chunk):
             piece = buffer[start : start + chunk]
             m = piece.numel()
-            slots[r, :m].copy_(piece)
+            slots[self.rank][:m].copy_(piece)
             self._barrier("shm.all_reduce")
-            bounds = segment_bounds(m, n)
-            lo, hi = bounds[r], bounds[r + 1]
-            if hi > lo:
-                out = slots[n, lo:hi]
-                if buffer.dtype in LOW_PRECISION:
-                    acc = self._scratch("acc", torch.float32, hi - lo, buffer.device)
-                    acc.copy_(slots[0, lo:hi])
-                    for k in range(1, n):
-                        acc.add_(slots[k, lo:hi])
-                    out.copy_(acc)
-                else:
-                    torch.add(slots[0, lo:hi], slots[1, lo:hi], out=out)
-                    for k in range(2, n):
-                        out.add_(slots[k, lo:hi])
+            mine = self._sum_my_slice([s[:m] for s in slots], m)
             self._barrier("shm.all_reduce")
-            piece.copy_(slots[n, :m])
-            self.bytes_sent += (m + hi - lo) * buffer.element_size()
+            piece.copy_(slots[self.rank][:m])
+            self.bytes_sent += (m + (n - 1) * mine) * itemsize
+
+    def all_reduce_async(self, buffer: torch.Tensor) -> PendingAllReduce:
+        """Queue the sum of ``buffer``; it runs in call order when ``wait()`` or a later call needs it."""
+        seq = next(self._seq)
+        if not self._validate(buffer):
+            return PendingAllReduce()
+        if buffer.device.type != "cpu":
+            raise ValueError(f"communication 'shm' reduces CPU buffers, got one on {buffer.device}")
+        self._deferred.append((buffer, seq))
+        return PendingAllReduce(run=lambda: self._flush(upto=seq))
+
+    def _flush(self, upto: int | None = None) -> None:
+        """Run the queued asynchronous calls in order (those up to ``upto``, or all)."""
+        while self._deferred and (upto is None or self._deferred[0][1] <= upto):
+            buffer, seq = self._deferred.pop(0)
+            self._run_deferred(buffer, seq)
+
+    def _run_deferred(self, buffer: torch.Tensor, seq: int) -> None:
+        op = self._op(seq)
+        try:
+            if self.debug:
+                code = SUPPORTED_DTYPES.index(buffer.dtype)
+                self.collectives.check_same([buffer.numel(), code], what=f"{op} buffer numel and dtype")
+            self._reduce_now(buffer)
+        except CollectiveTimeout:
+            self._deferred.clear()
+            raise
 
     def broadcast_flat(self, buffer: torch.Tensor, src: int = 0) -> None:
         """Copy group rank ``src``'s 1-D contiguous CPU ``buffer`` to every rank (collective)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or buffer.numel() == 0:
             return
-        n = self.world_size
-        slots = self._slots(buffer.dtype)
-        for start in range(0, buffer.numel(), slots.shape[1]):
-            piece = buffer[start : start + slots.shape[1]]
+        self._flush()
+        copies = self._registered(buffer)
+        if copies is not None:
+            self._barrier("shm.broadcast")
             if self.rank == src:
-                slots[n, : piece.numel()].copy_(piece)
+                for k, copy in enumerate(copies):
+                    if k != src:
+                        copy.copy_(buffer)
+                        self.bytes_sent += buffer.numel() * buffer.element_size()
+            self._barrier("shm.broadcast")
+            return
+        slots = self._staging.regions(buffer.dtype)
+        chunk = slots[0].numel()
+        for start in range(0, buffer.numel(), chunk):
+            piece = buffer[start : start + chunk]
+            if self.rank == src:
+                slots[src][: piece.numel()].copy_(piece)
                 self.bytes_sent += piece.numel() * piece.element_size()
             self._barrier("shm.broadcast")
             if self.rank != src:
-                piece.copy_(slots[n, : piece.numel()])
+                piece.copy_(slots[src][: piece.numel()])
             self._barrier("shm.broadcast")
 
     def close(self) -> None:
+        self._deferred.clear()  # never waited for: running them now could wait on a rank that is gone
         super().close()
-        self._views.clear()
-        self._counters = None
-        if self._mm is not None:
+        self._peer_views.clear()
+        if self._counters is not None:
+            self._counters.release()
+            self._counters = None
+        for segment in self._segments:
+            segment.views.clear()
             try:
-                self._mm.close()
+                segment.mm.close()
             except BufferError:  # a view is still alive somewhere; the mapping goes with it
                 pass
-            self._mm = None
+        self._segments.clear()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
