@@ -1,0 +1,110 @@
+"""One rank of the calibration job (``python -m spread.plan._calibration_worker``, under the launcher).
+
+Times every all-reduce algorithm on fp32 buffers of the given sizes (allocated and touched once,
+reused), then measures how much of the gradient exchange the real strategy hides behind backward:
+an MLP step with the exchange (``t_sync``) and without it (``no_sync``: ``t_local``), and the bare
+all-reduce of its gradients (``t_comm``); the overlap is the ``eta`` for which
+:func:`spread.plan.costs.exposed_communication` explains ``t_sync - t_local``. Rank 0 writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from spread.comm.algorithms import ALGORITHMS, make_algorithm
+from spread.plan.costs import exposed_communication
+from spread.strategies import MultiWorkerMirroredStrategy
+
+
+def _median_seconds(fn, reps: int, barrier) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> float:
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(
+            nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+        )
+    x, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def forward_backward() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    barrier = strategy.collectives.barrier
+    t_sync = _median_seconds(forward_backward, reps, barrier)
+    with strategy.no_sync():
+        t_local = _median_seconds(forward_backward, reps, barrier)
+    t_forward = _median_seconds(forward, reps, barrier)
+    grads = torch.ones(sum(p.numel() for p in model.parameters()))
+    t_comm = _median_seconds(lambda: strategy.algorithm.all_reduce(grads), reps, barrier)
+    exposed = max(t_sync - t_local, 0.0)
+    backward = max(t_local - t_forward, 1e-9)
+    buckets = [t_comm]  # the MLP's 4.2 MB of gradients fit in one 25 MB bucket
+    lo, hi = 0.0, 1.0
+    for _ in range(30):  # exposed() falls as eta grows: bisect for the measured exposure
+        mid = (lo + hi) / 2
+        if exposed_communication(backward, buckets, mid) > exposed:
+            lo = mid
+        else:
+            hi = mid
+    return round((lo + hi) / 2, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--sizes", required=True, help="comma-separated byte counts")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    strategy = MultiWorkerMirroredStrategy()
+    try:
+        n = strategy.num_replicas_in_sync
+        barrier = strategy.collectives.barrier
+        samples: dict[str, list[list[float]]] = {}
+        for name in ALGORITHMS:
+            try:
+                algorithm = make_algorithm(name, strategy.collectives)
+            except ValueError:  # e.g. shm across hosts
+                continue
+            try:
+                for nbytes in (int(s) for s in args.sizes.split(",")):
+                    buffer = torch.ones(nbytes // 4)
+                    reps = args.reps if nbytes < 16 << 20 else max(3, args.reps // 2)
+                    seconds = _median_seconds(lambda b=buffer, a=algorithm: a.all_reduce(b), reps, barrier)
+                    samples.setdefault(name, []).append([float(nbytes), seconds, float(n)])
+            finally:
+                algorithm.close()
+        overlap = _overlap(strategy, args.reps)
+        if strategy.is_chief:
+            tmp = f"{args.output}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"samples": samples, "overlap": overlap, "ranks": n}, f)
+            os.replace(tmp, args.output)
+    finally:
+        strategy.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Find the model in a user's training script without training it.
+
+``spread plan train.py`` runs the script in this process, single-process (no ``WORLD_SIZE``, no
+``TF_CONFIG``), until it calls ``Trainer.fit``; at that call the trainer's model, loss, optimizer,
+training data and global batch size are taken and the script is stopped. A script with its own loop
+can instead name a factory, ``module:function`` returning ``(model, loss_fn, inputs, targets)`` or
+``(model, loss_fn, inputs, targets, optimizer)`` with ``inputs``/``targets`` one global batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from spread.strategies import OneDeviceStrategy
+from spread.train import Trainer
+from spread.train.trainer import _split_batch
+
+_CLUSTER_VARIABLES = ("TF_CONFIG", "WORLD_SIZE", "RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")
+
+
+class CaptureError(RuntimeError):
+    """The script or factory did not give the planner a model to profile."""
+
+
+@dataclass
+class CapturedWorkload:
+    """A model with what it trains on, ready for :func:`spread.plan.workload.measure_model`."""
+
+    model: nn.Module
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    inputs: Any
+    targets: Any
+    optimizer: torch.optim.Optimizer | None
+    global_batch: int
+    source: str
+
+
+class _FitReached(BaseException):
+    """Raised inside the script at ``Trainer.fit`` to stop it (a BaseException: scripts catch Exception)."""
+
+    def __init__(self, workload: CapturedWorkload) -> None:
+        super().__init__("spread plan: captured the workload at Trainer.fit")
+        self.workload = workload
+
+
+def _first_batch(data: Any, global_batch: int) -> tuple[Any, Any]:
+    batches = OneDeviceStrategy().distribute_dataset(data, global_batch, shuffle=False)
+    for batch in batches:
+        return _split_batch(batch)
+    raise CaptureError("the training data given to Trainer.fit is empty")
+
+
+@contextmanager
+def _single_process_environment() -> Iterator[None]:
+    saved = {k: os.environ.pop(k) for k in _CLUSTER_VARIABLES if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = None) -> CapturedWorkload:
+    """Run the script at ``path`` with ``args`` until its first ``Trainer.fit`` and capture that."""
+    if not os.path.isfile(path):
+        raise CaptureError(f"no such script: {path}")
+    original_fit = Trainer.fit
+
+    def fit(self: Trainer, train_data: Any, *, global_batch_size: int = 32, **_: Any) -> Any:
+        x, y = _first_batch(train_data, global_batch_size)
+        raise _FitReached(
+            CapturedWorkload(
+                self.model, self.loss_fn, x, y, self.optimizer, global_batch_size, source or path
+            )
+        )
+
+    argv = sys.argv
+    sys.argv = [path, *args]
+    Trainer.fit = fit  # type: ignore[method-assign]
+    try:
+        with _single_process_environment():
+            runpy.run_path(path, run_name="__main__")
+    except _FitReached as reached:
+        return reached.workload
+    except SystemExit as exc:
+        raise CaptureError(f"{path} exited (status {exc.code}) before calling Trainer.fit") from None
+    finally:
+        Trainer.fit = original_fit  # type: ignore[method-assign]
+        sys.argv = argv
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # a strategy the script built and never closed
+    raise CaptureError(
+        f"{path} finished without calling spread.Trainer.fit; for a custom training loop pass a factory "
+        f"instead: `spread plan --model module:function` returning (model, loss_fn, inputs, targets)"
+    )
+
+
+def capture_factory(spec: str) -> CapturedWorkload:
+    """Call ``module:function`` and take the model, loss and one global batch it returns."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CaptureError(f"--model must look like 'package.module:function', got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CaptureError(f"cannot load {spec!r}: {exc}") from None
+    result = factory()
+    if not isinstance(result, tuple) or len(result) not in (4, 5):
+        raise CaptureError(f"{spec} must return (model, loss_fn, inputs, targets[, optimizer])")
+    model, loss_fn, inputs, targets, *rest = result
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"{spec} returned {type(model).__name__} as the model, not an nn.Module")
+    batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
+    return CapturedWorkload(model, loss_fn, inputs, targets, rest[0] if rest else None, batch, spec)

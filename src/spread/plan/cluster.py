@@ -1,0 +1,106 @@
+"""What the planner knows about the machines: devices, memory, compute speed and links.
+
+A :class:`ClusterModel` comes from a calibration profile measured by ``spread bench --calibrate``
+(:meth:`ClusterModel.from_profile`) or is described by hand (nodes, devices per node, link rate and
+latency, memory per device). Links inside a node are per all-reduce algorithm, because on one
+machine ``shm`` and loopback TCP differ by an order of magnitude; between nodes there is one network.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from spread.plan.calibration import CalibrationProfile
+from spread.plan.costs import Link
+
+# Fallbacks for a cluster described by hand without a profile: loopback TCP and memcpy on the
+# 2-core development machine (docs/benchmarks.md), and a 10 Gbit/s, 50 us network between nodes.
+DEFAULT_INTRA = {
+    "native": Link(alpha=6e-4, beta=0.78e9),
+    "ring": Link(alpha=6e-4, beta=0.78e9),
+    "reduce_to_one": Link(alpha=6e-4, beta=0.78e9),
+    "shm": Link(alpha=2e-5, beta=8e9),
+    "memory": Link(alpha=1e-6, beta=8e9),
+}
+DEFAULT_INTER = Link(alpha=5e-5, beta=1.25e9)
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """A homogeneous cluster: ``nodes`` machines with ``devices_per_node`` devices each."""
+
+    nodes: int = 1
+    devices_per_node: int = 1
+    memory_per_device: float = math.inf  # bytes
+    intra: dict[str, Link] = field(default_factory=lambda: dict(DEFAULT_INTRA))
+    inter: Link = DEFAULT_INTER
+    compute_scale: float = 1.0  # a device's speed relative to where the model was profiled
+    overlap: float = 1.0  # how much of communication runs concurrently with backward (0..1)
+    server_apply_bytes_per_s: float = 4e9  # a parameter server applying an update (memory bound)
+    cores_per_node: int | None = None  # CPU devices: processes on a node share these cores
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.memory_per_device > 0:
+            raise ValueError(f"memory_per_device must be positive, got {self.memory_per_device!r}")
+        if not (self.compute_scale > 0 and math.isfinite(self.compute_scale)):
+            raise ValueError(f"compute_scale must be a positive number, got {self.compute_scale!r}")
+        if self.cores_per_node is not None and (
+            not isinstance(self.cores_per_node, int) or self.cores_per_node < 1
+        ):
+            raise ValueError(
+                f"cores_per_node must be a positive integer or None, got {self.cores_per_node!r}"
+            )
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        missing = {"native", "ring", "reduce_to_one", "shm", "memory"} - set(self.intra)
+        if missing:
+            raise ValueError(f"intra-node links missing for {sorted(missing)}")
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_devices(self, devices: int) -> ClusterModel:
+        """The same kind of cluster grown or shrunk to ``devices`` (whole nodes once past one node)."""
+        if devices <= self.devices_per_node:
+            return replace(self, nodes=1, devices_per_node=devices)
+        return replace(self, nodes=math.ceil(devices / self.devices_per_node))
+
+    def link(self, algorithm: str) -> Link:
+        """The link a flat algorithm runs on: the node's own when on one node, else the network."""
+        if self.nodes == 1:
+            return self.intra[algorithm]
+        return self.inter
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: CalibrationProfile,
+        *,
+        nodes: int = 1,
+        devices_per_node: int | None = None,
+        memory_per_device: float | None = None,
+        inter: Link | None = None,
+    ) -> ClusterModel:
+        """A cluster of machines like the one ``profile`` was measured on."""
+        intra = dict(DEFAULT_INTRA)
+        intra.update(profile.links)
+        return cls(
+            nodes=nodes,
+            devices_per_node=devices_per_node or profile.devices,
+            memory_per_device=memory_per_device
+            if memory_per_device is not None
+            else profile.memory_per_device,
+            intra=intra,
+            inter=inter or profile.links.get("network", DEFAULT_INTER),
+            overlap=profile.overlap,
+            server_apply_bytes_per_s=profile.memory_bandwidth,
+            cores_per_node=profile.devices if profile.device_type == "cpu" else None,
+            source=f"calibration {profile.machine}",
+        )

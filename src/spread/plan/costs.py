@@ -1,0 +1,223 @@
+"""The cost terms of the planner: pure functions of sizes, counts and link figures, no torch.
+
+Every term is a closed formula that a test can check by hand. Times are seconds, sizes bytes.
+Links follow the alpha-beta model: a message of ``n`` bytes costs ``alpha + n / beta``.
+
+All-reduce of ``S`` bytes over ``n`` ranks, per algorithm (``g`` latency terms, ``f * S`` bytes on the
+critical path), so that calibration on 2 ranks carries over to ``n``:
+
+============== ================== ===================================================================
+algorithm      time               why
+============== ================== ===================================================================
+ring, native   2(n-1)a + 2(n-1)/n S/b   reduce-scatter then all-gather, one S/n chunk per hop
+reduce_to_one  2(n-1)a + 2(n-1) S/b     the root receives n-1 full buffers, then sends n-1
+shm            2a + (3 + 1/n) S/b       per rank: copy in, read its slice from n slots, copy out
+hierarchical   shm inside a node of k ranks, then ring over the m node leaders on the slow link
+============== ================== ===================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ALLREDUCE_ALGORITHMS = ("native", "ring", "shm", "hierarchical", "reduce_to_one")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One transport in the alpha-beta model: ``alpha`` seconds per message, ``beta`` bytes/s."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"link latency alpha must be a finite number >= 0, got {self.alpha!r}")
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ValueError(f"link bandwidth beta must be a finite number > 0, got {self.beta!r}")
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move one message of ``nbytes`` (0 for an empty message)."""
+        return self.alpha + nbytes / self.beta if nbytes > 0 else 0.0
+
+
+def allreduce_terms(algorithm: str, n: int) -> tuple[float, float]:
+    """``(g, f)`` so that one all-reduce of ``S`` bytes over ``n`` ranks costs ``g*alpha + f*S/beta``."""
+    if n < 1:
+        raise ValueError(f"an all-reduce needs at least 1 rank, got {n}")
+    if n == 1:
+        return 0.0, 0.0
+    if algorithm in ("ring", "native"):
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if algorithm == "reduce_to_one":
+        return 2.0 * (n - 1), 2.0 * (n - 1)
+    if algorithm == "shm":
+        return 2.0, 3.0 + 1.0 / n
+    raise ValueError(f"no flat cost formula for all-reduce algorithm {algorithm!r}")
+
+
+def allreduce_time(algorithm: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds for one all-reduce of ``nbytes`` over ``n`` ranks joined by ``link``."""
+    if nbytes <= 0 or n <= 1:
+        return 0.0
+    g, f = allreduce_terms(algorithm, n)
+    return g * link.alpha + f * nbytes / link.beta
+
+
+def hierarchical_allreduce_time(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
+    """Reduce inside each node through shared memory, ring over one leader per node, share back.
+
+    The intra-node phase is one shared-memory all-reduce (its result is what the leaders exchange and
+    what the broadcast returns), so it is counted once; the leaders' ring runs on the slow link.
+    """
+    return allreduce_time("shm", nbytes, per_node, intra) + allreduce_time("ring", nbytes, nodes, inter)
+
+
+def bucket_sizes(total_bytes: float, bucket_bytes: float) -> list[float]:
+    """Sizes of the gradient buckets: full buckets of ``bucket_bytes``, then the remainder."""
+    if total_bytes <= 0:
+        return []
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes!r}")
+    full, rest = divmod(total_bytes, bucket_bytes)
+    return [bucket_bytes] * int(full) + ([rest] if rest > 0 else [])
+
+
+def exposed_communication(backward_s: float, bucket_times: list[float], overlap: float = 1.0) -> float:
+    """Seconds of communication left after backward ends, for buckets launched as they fill.
+
+    Bucket ``i`` of ``k`` is ready at ``backward_s * (i + 1) / k`` (gradients arrive at an even pace);
+    buckets are sent one after another. While backward still runs, communication advances at rate
+    ``overlap`` (1: fully hidden behind compute; 0: no progress until backward ends, as when both
+    compete for the same cores and compute wins); afterwards at full rate.
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap!r}")
+    k = len(bucket_times)
+    cursor = 0.0
+    for i, cost in enumerate(bucket_times):
+        cursor = max(cursor, backward_s * (i + 1) / k)
+        if cursor < backward_s:
+            window = (backward_s - cursor) * overlap
+            if overlap > 0 and cost <= window:
+                cursor += cost / overlap
+                continue
+            cost -= window
+            cursor = backward_s
+        cursor += cost
+    return max(0.0, cursor - backward_s)
+
+
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """GPipe's idle fraction ``(S - 1) / (M + S - 1)`` (1F1B has the same bubble, less memory)."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"stages and microbatches must be >= 1, got S={stages}, M={microbatches}")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def pipeline_step_time(
+    stage_compute_s: float, stages: int, microbatches: int, boundary_bytes: float, link: Link
+) -> float:
+    """One mini-batch through ``stages`` stages in ``microbatches`` micro-batches.
+
+    ``stage_compute_s`` is the slowest stage's forward+backward time for one micro-batch;
+    ``boundary_bytes`` the activation bytes one micro-batch sends across one stage boundary. Each slot
+    costs the larger of compute and the transfer (sends overlap compute), and filling and draining
+    the pipe adds ``S - 1`` slots plus one forward and one backward hop per boundary.
+    """
+    pipeline_bubble(stages, microbatches)
+    hop = link.time(boundary_bytes) if stages > 1 else 0.0
+    slot = max(stage_compute_s, 2.0 * hop)
+    return (microbatches + stages - 1) * slot + 2.0 * (stages - 1) * hop
+
+
+def parameter_server_rate(
+    *,
+    worker_compute_s: float,
+    batch_per_worker: int,
+    workers: int,
+    servers: int,
+    bytes_per_step: float,
+    link: Link,
+    server_apply_bytes_per_s: float,
+    synchronous: bool = False,
+) -> tuple[float, float]:
+    """``(step_seconds_per_worker, samples_per_second)`` of parameter-server training.
+
+    Each worker step pulls and pushes ``bytes_per_step`` (dense parameters plus the touched rows of
+    sparse tables), spread evenly over ``servers``. A worker's step is compute plus its pull and push
+    over its own link; the servers together can absorb ``servers * beta / (2 * bytes)`` steps per
+    second (plus applying the update), which caps the job when many workers share few servers.
+    Synchronous mode waits for all workers' pushes at the servers before the next pull.
+    """
+    if workers < 1 or servers < 1:
+        raise ValueError(f"need at least one worker and one server, got {workers} and {servers}")
+    transfer = 2.0 * (servers * link.alpha + bytes_per_step / link.beta)
+    worker_step = worker_compute_s + transfer
+    server_busy = 2.0 * bytes_per_step / (servers * link.beta) + bytes_per_step / (
+        servers * server_apply_bytes_per_s
+    )
+    if synchronous:
+        step = worker_compute_s + 2.0 * servers * link.alpha + workers * server_busy
+        return step, workers * batch_per_worker / step
+    rate = min(workers * batch_per_worker / worker_step, batch_per_worker / server_busy)
+    return worker_step, rate
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one device holds at the peak of a step."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+
+def data_parallel_memory(
+    param_bytes: float,
+    optimizer_bytes: float,
+    activation_bytes_per_sample: float,
+    batch_per_replica: int,
+    *,
+    flat_gradient_buffer: bool = True,
+) -> MemoryBreakdown:
+    """Memory of one replica: a full copy of everything, activations for its share of the batch.
+
+    ``flat_gradient_buffer``: the bucketed reducer keeps one flat copy of the gradients to exchange.
+    """
+    return MemoryBreakdown(
+        parameters=param_bytes,
+        gradients=param_bytes,
+        optimizer=optimizer_bytes,
+        activations=activation_bytes_per_sample * batch_per_replica,
+        buffers=param_bytes if flat_gradient_buffer else 0.0,
+    )
+
+
+def pipeline_memory(
+    stage_param_bytes: float,
+    stage_optimizer_bytes: float,
+    stage_activation_bytes_per_sample: float,
+    batch_per_replica: int,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+) -> MemoryBreakdown:
+    """Memory of the largest stage: GPipe keeps all M micro-batches' activations, 1F1B at most S."""
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose 'gpipe' or '1f1b'")
+    in_flight = microbatches if schedule == "gpipe" else min(microbatches, stages)
+    micro = batch_per_replica / microbatches
+    return MemoryBreakdown(
+        parameters=stage_param_bytes,
+        gradients=stage_param_bytes,
+        optimizer=stage_optimizer_bytes,
+        activations=stage_activation_bytes_per_sample * micro * in_flight,
+    )

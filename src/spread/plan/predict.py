@@ -1,0 +1,364 @@
+"""Predict each strategy's step time, throughput and memory for one model on one cluster.
+
+A :class:`Candidate` is one concrete configuration (strategy, algorithm, stage/replica/server
+counts); :func:`predict` turns it into a :class:`Prediction` from the measured
+:class:`~spread.plan.workload.ModelProfile`, the :class:`~spread.plan.cluster.ClusterModel` and the
+cost terms of :mod:`spread.plan.costs`. :func:`candidates` lists what is worth predicting.
+
+Scaling efficiency is throughput divided by ``devices`` times one device's throughput alone (on CPU,
+a device is one process with its share of the cores), the figure the benchmarks report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from spread.plan.cluster import ClusterModel
+from spread.plan.costs import (
+    MemoryBreakdown,
+    allreduce_time,
+    bucket_sizes,
+    data_parallel_memory,
+    exposed_communication,
+    hierarchical_allreduce_time,
+    parameter_server_rate,
+    pipeline_memory,
+    pipeline_step_time,
+)
+from spread.plan.workload import ModelProfile
+
+STRATEGY_NAMES = (
+    "one_device",
+    "mirrored",
+    "central_storage",
+    "multi_worker_mirrored",
+    "parameter_server",
+    "pipeline",
+)
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Options:
+    """Memory and batching options applied to every candidate."""
+
+    global_batch: int
+    accumulation_steps: int = 1
+    checkpointing: bool = False
+    offload: bool = False
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise ValueError(f"global batch must be a positive integer, got {self.global_batch!r}")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ValueError(
+                f"accumulation_steps must be a positive integer, got {self.accumulation_steps!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to predict: a strategy, its settings, and how many devices it uses."""
+
+    strategy: str
+    devices: int
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.settings).get(key, default)
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: ``multi_worker_mirrored[shm]``, ``pipeline[S=2 M=8 1f1b]``."""
+        settings = dict(self.settings)
+        if self.strategy == "pipeline":
+            inner = f"S={settings['stages']} M={settings['microbatches']} {settings.get('schedule', '1f1b')}"
+        elif self.strategy == "parameter_server":
+            inner = f"servers={settings['servers']}" + (" sync" if settings.get("mode") == "sync" else "")
+        else:
+            inner = " ".join(str(v) for v in settings.values())
+        return f"{self.strategy}[{inner}]" if inner else self.strategy
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one candidate is predicted to do."""
+
+    candidate: Candidate
+    step_seconds: float
+    samples_per_second: float
+    scaling_efficiency: float
+    memory: MemoryBreakdown
+    fits: bool
+    note: str = ""
+    parts: dict[str, float] = field(default_factory=dict)  # compute, communication, ... (seconds)
+
+
+def _compute(
+    profile: ModelProfile, cluster: ClusterModel, batch: float, processes_per_node: int, k: int
+) -> float:
+    """Forward+backward of ``batch`` samples as ``k`` accumulation micro-steps on one device.
+
+    On CPU nodes the processes share ``cores_per_node``: each gets ``cores // processes`` intra-op
+    threads, and more processes than cores run time-sliced (slower by ``processes / cores``).
+    """
+    threads, crowding = None, 1.0
+    if cluster.cores_per_node is not None:
+        threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
+        crowding = max(1.0, processes_per_node / cluster.cores_per_node)
+    return crowding * k * profile.compute_seconds(batch / k, threads) / cluster.compute_scale
+
+
+def _activations_per_sample(profile: ModelProfile, options: Options) -> float:
+    if options.offload:  # kept on the host; the device holds one block's working set
+        layers = profile.layers
+        return max((la.activation_bytes_per_sample for la in layers), default=0.0)
+    if options.checkpointing:
+        return profile.checkpointed_activation_bytes_per_sample()
+    return profile.activation_bytes_per_sample
+
+
+def single_device_rate(profile: ModelProfile, cluster: ClusterModel, options: Options) -> float:
+    """Samples/s of one device alone (the efficiency baseline), at its share of a node's cores."""
+    step = _compute(
+        profile, cluster, options.global_batch, cluster.devices_per_node, options.accumulation_steps
+    )
+    return options.global_batch / (step + profile.optimizer_seconds / cluster.compute_scale)
+
+
+def _allreduce(cluster: ClusterModel, algorithm: str, nbytes: float, n: int) -> float:
+    if algorithm == "hierarchical":
+        per_node = min(cluster.devices_per_node, n)
+        nodes = math.ceil(n / per_node)
+        return hierarchical_allreduce_time(nbytes, nodes, per_node, cluster.intra["shm"], cluster.inter)
+    return allreduce_time(algorithm, nbytes, n, cluster.link(algorithm))
+
+
+def predict(
+    candidate: Candidate, profile: ModelProfile, cluster: ClusterModel, options: Options
+) -> Prediction:
+    """Predicted step time, throughput, efficiency and per-device memory of ``candidate``."""
+    method = _PREDICTORS.get(candidate.strategy)
+    if method is None:
+        raise ValueError(f"unknown strategy {candidate.strategy!r}; known: {', '.join(STRATEGY_NAMES)}")
+    step, rate, memory, note, parts = method(candidate, profile, cluster, options)
+    baseline = single_device_rate(profile, cluster, options)
+    return Prediction(
+        candidate=candidate,
+        step_seconds=step,
+        samples_per_second=rate,
+        scaling_efficiency=rate / (candidate.devices * baseline),
+        memory=memory,
+        fits=memory.total <= cluster.memory_per_device,
+        note=note,
+        parts=parts,
+    )
+
+
+def _one_device(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
+    compute = _compute(p, cl, o.global_batch, 1, o.accumulation_steps)
+    opt = p.optimizer_seconds / cl.compute_scale
+    memory = data_parallel_memory(
+        p.param_bytes,
+        p.optimizer_bytes,
+        _activations_per_sample(p, o),
+        o.global_batch // o.accumulation_steps,
+        flat_gradient_buffer=False,
+    )
+    step = compute + opt
+    return step, o.global_batch / step, memory, "one process uses the whole device", {"compute": compute}
+
+
+def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
+    n = c.devices
+    in_process = c.strategy in ("mirrored", "central_storage")
+    local = o.global_batch / n
+    compute = _compute(p, cl, local, min(n, cl.devices_per_node), o.accumulation_steps)
+    backward = compute / o.accumulation_steps * p.backward_fraction
+    grad_bytes = p.param_bytes
+    if c.strategy == "mirrored":  # replicas share the parameters; autograd sums into them
+        comm_total = exposed = 0.0
+    elif c.strategy == "central_storage":  # gradients copied to the central copy, weights back
+        comm_total = exposed = allreduce_time("reduce_to_one", grad_bytes, n, cl.intra["memory"])
+    else:
+        algorithm = c.get("communication", "native")
+        buckets = [_allreduce(cl, algorithm, b, n) for b in bucket_sizes(grad_bytes, o.bucket_bytes)]
+        comm_total = sum(buckets)
+        exposed = exposed_communication(backward, buckets, cl.overlap)
+    opt = p.optimizer_seconds / cl.compute_scale
+    step = compute + exposed + opt
+    memory = data_parallel_memory(
+        p.param_bytes,
+        p.optimizer_bytes,
+        _activations_per_sample(p, o),
+        math.ceil(local / o.accumulation_steps),
+        flat_gradient_buffer=not in_process,
+    )
+    note = f"{comm_total * 1e3:.1f} ms of all-reduce per step, {exposed * 1e3:.1f} ms not hidden by backward"
+    parts = {"compute": compute, "communication": comm_total, "exposed": exposed, "optimizer": opt}
+    return step, o.global_batch / step, memory, note, parts
+
+
+def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
+    servers = c.get("servers", 1)
+    workers = c.devices - servers
+    per_worker = o.global_batch / workers
+    compute = _compute(p, cl, per_worker, min(c.devices, cl.devices_per_node), o.accumulation_steps)
+    rows = (
+        min(p.sparse_rows_per_sample * per_worker, p.sparse_bytes / p.sparse_row_bytes)
+        if p.sparse_bytes
+        else 0
+    )
+    moved = p.dense_bytes + rows * p.sparse_row_bytes
+    link = cl.link("native")
+    step, rate = parameter_server_rate(
+        worker_compute_s=compute,
+        batch_per_worker=int(per_worker),
+        workers=workers,
+        servers=servers,
+        bytes_per_step=moved,
+        link=link,
+        server_apply_bytes_per_s=cl.server_apply_bytes_per_s,
+        synchronous=c.get("mode", "async") == "sync",
+    )
+    worker_memory = data_parallel_memory(
+        p.dense_bytes + rows * p.sparse_row_bytes,
+        0.0,
+        _activations_per_sample(p, o),
+        math.ceil(per_worker / o.accumulation_steps),
+        flat_gradient_buffer=False,
+    )
+    server_memory = (p.param_bytes + p.optimizer_bytes) / servers
+    memory = (
+        worker_memory
+        if worker_memory.total >= server_memory
+        else MemoryBreakdown(
+            parameters=p.param_bytes / servers,
+            gradients=0.0,
+            optimizer=p.optimizer_bytes / servers,
+            activations=0.0,
+        )
+    )
+    note = f"{moved / 1e6:.2f} MB pulled and pushed per worker step ({rows:.0f} sparse rows)"
+    return step, rate, memory, note, {"compute": compute, "communication": step - compute}
+
+
+def balanced_stage_shares(shares: list[float], stages: int) -> list[list[int]]:
+    """Split consecutive blocks into ``stages`` groups minimising the largest group's share."""
+    n = len(shares)
+    if stages > n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages")
+    prefix = [0.0]
+    for s in shares:
+        prefix.append(prefix[-1] + s)
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
+
+    def solve(start: int, k: int) -> tuple[float, list[int]]:
+        if k == 1:
+            return prefix[n] - prefix[start], [start]
+        key = (start, k)
+        if key not in best:
+            options = []
+            for end in range(start + 1, n - k + 2):
+                rest, cuts = solve(end, k - 1)
+                options.append((max(prefix[end] - prefix[start], rest), [start, *cuts]))
+            best[key] = min(options, key=lambda t: t[0])
+        return best[key]
+
+    _, starts = solve(0, stages)
+    bounds = [*starts, n]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
+
+
+def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
+    stages, micro = c.get("stages"), c.get("microbatches")
+    replicas = c.devices // stages
+    groups = balanced_stage_shares([la.time_share for la in p.layers], stages)
+    per_replica = o.global_batch / replicas
+    share = max(sum(p.layers[i].time_share for i in g) for g in groups)
+    stage_compute = _compute(p, cl, per_replica / micro, min(c.devices, cl.devices_per_node), 1) * share
+    boundary = max((p.layers[g[-1]].output_bytes_per_sample for g in groups[:-1]), default=0.0)
+    link = cl.link("native")
+    step = pipeline_step_time(stage_compute, stages, micro, boundary * per_replica / micro, link)
+    step *= o.accumulation_steps
+    stage_params = max(sum(p.layers[i].param_bytes for i in g) for g in groups)
+    grad_sync = allreduce_time("native", stage_params, replicas, link)
+    opt = p.optimizer_seconds * (stage_params / max(p.param_bytes, 1.0)) / cl.compute_scale
+    step += grad_sync + opt
+    if o.checkpointing:
+        acts = max(
+            sum(p.layers[i].output_bytes_per_sample for i in g)
+            + max(p.layers[i].activation_bytes_per_sample for i in g)
+            for g in groups
+        )
+    else:
+        acts = max(sum(p.layers[i].activation_bytes_per_sample for i in g) for g in groups)
+    memory = pipeline_memory(
+        stage_params,
+        p.optimizer_bytes * stage_params / max(p.param_bytes, 1.0),
+        acts,
+        math.ceil(per_replica / o.accumulation_steps),
+        stages,
+        micro,
+        c.get("schedule", "1f1b"),
+    )
+    bubble = (stages - 1) / (micro + stages - 1)
+    note = f"bubble {bubble:.0%}, slowest stage {share:.0%} of the model's time"
+    return step, o.global_batch / step, memory, note, {"compute": stage_compute * micro, "sync": grad_sync}
+
+
+_PREDICTORS = {
+    "one_device": _one_device,
+    "mirrored": _data_parallel,
+    "central_storage": _data_parallel,
+    "multi_worker_mirrored": _data_parallel,
+    "parameter_server": _parameter_server,
+    "pipeline": _pipeline,
+}
+
+
+def candidates(
+    profile: ModelProfile,
+    cluster: ClusterModel,
+    options: Options,
+    strategies: tuple[str, ...] = STRATEGY_NAMES,
+) -> list[Candidate]:
+    """Every configuration of ``strategies`` that can run on ``cluster`` with this model."""
+    unknown = set(strategies) - set(STRATEGY_NAMES)
+    if unknown:
+        raise ValueError(f"unknown strategy {sorted(unknown)[0]!r}; known: {', '.join(STRATEGY_NAMES)}")
+    d = cluster.devices
+    out: list[Candidate] = []
+    if "one_device" in strategies:
+        out.append(Candidate("one_device", 1))
+    if d < 2:
+        return out
+    if cluster.nodes == 1:
+        for name in ("mirrored", "central_storage"):
+            if name in strategies:
+                out.append(Candidate(name, d))
+    if "multi_worker_mirrored" in strategies:
+        algorithms = ["native", "ring", "reduce_to_one"] + (
+            ["shm"] if cluster.nodes == 1 else ["hierarchical"]
+        )
+        out.extend(Candidate("multi_worker_mirrored", d, (("communication", a),)) for a in algorithms)
+    if "parameter_server" in strategies and d >= 2:
+        for servers in sorted({1, max(1, d // 4), max(1, d // 2)}):
+            if d - servers >= 1:
+                out.append(Candidate("parameter_server", d, (("servers", servers),)))
+    if "pipeline" in strategies and len(profile.layers) >= 2:
+        for stages in (2, 4, 8, 16):
+            if stages > len(profile.layers) or d % stages:
+                continue
+            per_replica = options.global_batch // (d // stages)
+            for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
+                if micro <= per_replica:
+                    out.append(
+                        Candidate(
+                            "pipeline", d, (("stages", stages), ("microbatches", micro), ("schedule", "1f1b"))
+                        )
+                    )
+    return out

@@ -1,0 +1,250 @@
+"""Profile a user's model on this device: step time, memory terms, sparse traffic, per-layer shares.
+
+The planner predicts from measurements, not from FLOP counts: a few real forward/backward passes at
+two batch sizes give a linear step-time model ``fixed + per_sample * batch`` per thread count;
+saved-tensor hooks count the activation bytes autograd keeps; one optimizer step on a copy counts
+the optimizer's state. The user's model and optimizer are never touched (everything runs on deep
+copies).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One top-level block, as a pipeline stage boundary or checkpoint unit sees it."""
+
+    name: str
+    time_share: float  # fraction of the model's forward time
+    param_bytes: float
+    activation_bytes_per_sample: float  # what autograd saves inside the block
+    output_bytes_per_sample: float  # what crosses to the next block
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Measured figures of one model with one loss and optimizer."""
+
+    name: str
+    param_bytes: float
+    sparse_bytes: float  # parameters of embedding tables (rows pulled on demand by a PS)
+    sparse_row_bytes: float
+    sparse_rows_per_sample: float  # distinct rows one sample touches (measured at ``batch``)
+    optimizer_bytes: float
+    activation_bytes_per_sample: float
+    compute: dict[int, tuple[float, float]]  # threads -> (fixed s, s per sample) of forward+backward
+    backward_fraction: float
+    optimizer_seconds: float
+    batch: int
+    layers: tuple[LayerProfile, ...] = field(default_factory=tuple)
+
+    @property
+    def dense_bytes(self) -> float:
+        return self.param_bytes - self.sparse_bytes
+
+    def compute_seconds(self, batch: float, threads: int | None = None) -> float:
+        """Forward+backward seconds for ``batch`` samples with ``threads`` intra-op threads."""
+        if threads is None or threads not in self.compute:
+            known = sorted(self.compute)
+            threads = min(known, key=lambda t: (abs(t - (threads or known[-1])), -t))
+        fixed, per_sample = self.compute[threads]
+        return fixed + per_sample * max(batch, 0.0) if batch > 0 else 0.0
+
+    def checkpointed_activation_bytes_per_sample(self) -> float:
+        """Activations with each block checkpointed: block outputs kept, one block's inside at a time."""
+        if not self.layers:
+            return self.activation_bytes_per_sample
+        kept = sum(layer.output_bytes_per_sample for layer in self.layers)
+        return kept + max(layer.activation_bytes_per_sample for layer in self.layers)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+class _SavedBytes:
+    """Counts bytes autograd saves for backward, excluding the parameters themselves."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._params = {p.data_ptr() for p in model.parameters()}
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        ptr = tensor.data_ptr()
+        if ptr not in self._params and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def _take(batch: Any, n: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, list | tuple):
+        return type(batch)(_take(b, n) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _take(v, n) for k, v in batch.items()}
+    return batch
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: allocator, kernels, lazy init
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_model(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    threads: Sequence[int] = (1,),
+    repeats: int = 3,
+    name: str | None = None,
+) -> ModelProfile:
+    """Profile ``model`` on ``inputs``/``targets`` (a batch whose first dimension is the sample axis).
+
+    ``threads``: intra-op thread counts to time compute at (a CPU process of a job that runs ``k``
+    processes per ``c``-core node gets ``c // k``). The model, its parameters and ``optimizer`` are
+    copied, never modified.
+    """
+    batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
+    if batch < 2:
+        raise ValueError(f"profiling needs a batch of at least 2 samples, got {batch}")
+    work = copy.deepcopy(model)
+    work.train()
+    params = [p for p in work.parameters() if p.requires_grad]
+    param_bytes = float(sum(p.numel() * p.element_size() for p in work.parameters()))
+
+    sparse_bytes = sparse_row_bytes = 0.0
+    touched: list[torch.Tensor] = []
+    handles = []
+    for module in work.modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            sparse_bytes += module.weight.numel() * module.weight.element_size()
+            sparse_row_bytes = max(sparse_row_bytes, module.weight.shape[1] * module.weight.element_size())
+            handles.append(module.register_forward_pre_hook(lambda m, args: touched.append(args[0].detach())))
+
+    def step(n: int) -> None:
+        x, y = _take(inputs, n), _take(targets, n)
+        for p in params:
+            p.grad = None
+        loss_fn(work(x), y).backward()
+
+    counter = _SavedBytes(work)
+    with counter.hooks():
+        x, y = _take(inputs, batch), _take(targets, batch)
+        loss_fn(work(x), y).backward()
+    for handle in handles:
+        handle.remove()
+    rows = sum(int(torch.unique(t).numel()) for t in touched) / batch if touched else 0.0
+
+    previous_threads = torch.get_num_threads()
+    compute: dict[int, tuple[float, float]] = {}
+    small = max(1, batch // 4)
+    try:
+        for t in sorted(threads):
+            torch.set_num_threads(int(t))
+            t_small = _median_time(lambda: step(small), repeats)
+            t_full = _median_time(lambda: step(batch), repeats)
+            per_sample = max((t_full - t_small) / (batch - small), 0.0)
+            fit = (max(t_full - per_sample * batch, 0.0), per_sample)
+            fewer = [compute[k] for k in sorted(compute) if k < t]
+            if fewer and fewer[-1][0] + fewer[-1][1] * batch < t_full:
+                fit = fewer[-1]  # more threads measured slower (busy cores): a process can use fewer
+            compute[int(t)] = fit
+        torch.set_num_threads(max(threads))
+        x, y = _take(inputs, batch), _take(targets, batch)
+
+        def forward_only() -> None:
+            loss_fn(work(x), y)
+
+        forward = _median_time(forward_only, repeats)
+        full = _median_time(lambda: step(batch), repeats)
+        backward_fraction = min(max(1.0 - forward / full, 0.0), 0.95) if full > 0 else 0.66
+
+        optimizer_bytes = 0.0
+        optimizer_seconds = 0.0
+        if optimizer is not None:
+            opt = type(optimizer)(params, **optimizer.defaults)
+            step(batch)
+            optimizer_seconds = _median_time(opt.step, repeats)
+            optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
+        layers = _layer_profiles(work, x, forward)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return ModelProfile(
+        name=name or type(model).__name__,
+        param_bytes=param_bytes,
+        sparse_bytes=sparse_bytes,
+        sparse_row_bytes=sparse_row_bytes,
+        sparse_rows_per_sample=rows,
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes_per_sample=counter.bytes / batch,
+        compute=compute,
+        backward_fraction=backward_fraction,
+        optimizer_seconds=optimizer_seconds,
+        batch=batch,
+        layers=layers,
+    )
+
+
+def _layer_profiles(model: nn.Module, x: Any, forward_seconds: float) -> tuple[LayerProfile, ...]:
+    """Per-block figures when the model is a chain of blocks (``nn.Sequential``); else none."""
+    if not isinstance(model, nn.Sequential) or len(model) < 2 or not isinstance(x, torch.Tensor):
+        return ()
+    batch = x.shape[0]
+    out = []
+    times = []
+    for name, block in model.named_children():
+        counter = _SavedBytes(block)
+        start = time.perf_counter()
+        with counter.hooks():
+            y = block(x)
+        times.append(time.perf_counter() - start)
+        out.append(
+            (
+                name,
+                float(sum(p.numel() * p.element_size() for p in block.parameters())),
+                counter.bytes / batch,
+                _tensor_bytes(y) / batch,
+            )
+        )
+        x = y.detach().requires_grad_(y.is_floating_point())
+    total = sum(times) or 1.0
+    return tuple(
+        LayerProfile(
+            name=n,
+            time_share=t / total,
+            param_bytes=p,
+            activation_bytes_per_sample=a,
+            output_bytes_per_sample=o,
+        )
+        for (n, p, a, o), t in zip(out, times, strict=True)
+    )

@@ -1,0 +1,101 @@
+"""``spread plan`` from the command line: an end-to-end run on the digits example, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "examples" / "digits.py")
+SPREAD = [sys.executable, "-m", "spread.cli.main", "plan"]
+
+
+def _plan(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SPREAD, *args],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_digits_end_to_end_json(tmp_path):
+    result = _plan(DIGITS, "--devices", "2", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    labels = {p["label"] for p in plan["predictions"]}
+    assert {"one_device", "mirrored", "multi_worker_mirrored[shm]", "multi_worker_mirrored[native]"} <= labels
+    assert plan["recommended"] in labels
+    assert all(p["samples_per_second"] > 0 and p["fits"] for p in plan["predictions"])
+    assert not list(tmp_path.iterdir())  # the script was stopped at fit: no training, no files
+
+
+def test_digits_table_on_two_nodes_with_a_slow_network(tmp_path):
+    result = _plan(
+        DIGITS, "--devices", "8", "--nodes", "2", "--link-gbps", "1", "--memory-gb", "1", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "multi_worker_mirrored[hierarchical]" in result.stdout
+    assert "recommended:" in result.stdout and "2 node(s) x 4 device(s)" in result.stdout
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    result = _plan(DIGITS, "--devices", "2", "--plot", str(png), "--plot-max-devices", "64", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--devices", "3", "--nodes", "2"],
+            "impossible cluster: 3 devices cannot be spread evenly over 2 nodes",
+        ),
+        (["--strategies", "horovod"], "unknown strategy 'horovod'"),
+        (["--devices", "2", "--memory-gb", "0.0001"], "fits on no strategy"),
+        (["--devices", "128"], "cannot be split over 128 devices"),
+        (["--profile", "missing.json"], "spread bench --calibrate"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tmp_path, args, message):
+    result = _plan(DIGITS, *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_script_without_fit_and_factory(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text("print('custom loop, no Trainer')\n")
+    result = _plan(str(script), cwd=tmp_path)
+    assert result.returncode == 2 and "--model module:function" in result.stderr
+    (tmp_path / "factory.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def make():
+                model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+                return model, nn.CrossEntropyLoss(), torch.randn(64, 16), torch.randint(0, 4, (64,))
+            """
+        )
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    result = _plan("--model", "factory:make", "--devices", "2", "--json", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["predictions"]
+    both = _plan(str(script), "--model", "factory:make", cwd=tmp_path, env=env)
+    assert both.returncode == 2 and "one of them" in both.stderr

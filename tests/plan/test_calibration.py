@@ -1,0 +1,96 @@
+"""Calibration profiles: file round trip, validation, the alpha-beta fit, and a real quick run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spread.plan.calibration import (
+    CalibrationError,
+    CalibrationProfile,
+    calibrate,
+    fit_link,
+    load_profile,
+    save_profile,
+)
+from spread.plan.cluster import ClusterModel
+from spread.plan.costs import Link, allreduce_time
+
+
+def _profile() -> CalibrationProfile:
+    return CalibrationProfile(
+        machine="test box",
+        devices=4,
+        memory_per_device=8 * 2**30,
+        memory_bandwidth=1e10,
+        matmul_flops=5e10,
+        links={"native": Link(6e-4, 8e8), "shm": Link(2e-5, 8e9)},
+        overlap=0.25,
+        samples={"native": [[4096.0, 0.0012, 2.0]]},
+    )
+
+
+def test_round_trip(tmp_path):
+    path = save_profile(_profile(), tmp_path / "sub" / "cal.json")
+    assert load_profile(path) == _profile()
+    assert not list(path.parent.glob(".*tmp*"))  # written atomically, nothing left over
+
+
+def test_cluster_from_profile_uses_its_links_and_cores():
+    cluster = ClusterModel.from_profile(_profile(), nodes=2, devices_per_node=4)
+    assert cluster.intra["shm"] == Link(2e-5, 8e9)
+    assert cluster.cores_per_node == 4 and cluster.overlap == 0.25
+    assert cluster.link("native") == cluster.inter  # more than one node: the network
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"schema": 99}, "schema 99"),
+        ({"devices": 0}, "'devices'"),
+        ({"matmul_flops": "fast"}, "'matmul_flops'"),
+        ({"overlap": 1.5}, "'overlap'"),
+        ({"links": {}}, "'links'"),
+        ({"links": {"native": {"alpha": 1}}}, "link 'native'"),
+    ],
+)
+def test_malformed_profiles_name_the_field(tmp_path, change, message):
+    data = _profile().to_json() | change
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match=message) as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_and_non_json_files(tmp_path):
+    with pytest.raises(CalibrationError, match="spread bench --calibrate"):
+        load_profile(tmp_path / "nope.json")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(CalibrationError, match="not valid JSON"):
+        load_profile(tmp_path / "x.json")
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "reduce_to_one", "shm"])
+def test_fit_recovers_the_link_that_made_the_samples(algorithm):
+    truth = Link(alpha=3e-4, beta=7e8)
+    samples = [
+        (s, allreduce_time(algorithm, s, n, truth), n) for s in (4e3, 6.4e4, 1e6, 1.6e7) for n in (2, 4)
+    ]
+    fitted = fit_link(algorithm, samples)
+    assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(truth.beta, rel=1e-6)
+
+
+def test_fit_needs_two_samples():
+    with pytest.raises(CalibrationError, match="at least two"):
+        fit_link("ring", [(1e6, 0.01, 2)])
+
+
+def test_quick_calibration_measures_every_algorithm(tmp_path):
+    profile = calibrate(tmp_path / "cal.json", quick=True)
+    assert {"native", "ring", "shm", "reduce_to_one", "hierarchical", "memory"} <= set(profile.links)
+    assert all(len(samples) == 3 for samples in profile.samples.values())
+    assert profile.matmul_flops > 0 and 0.0 <= profile.overlap <= 1.0
+    assert load_profile(tmp_path / "cal.json") == profile

@@ -1,0 +1,160 @@
+"""Predictions and advice from a hand-made profile, checked against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from spread.plan.advisor import PlanError, make_plan
+from spread.plan.cluster import DEFAULT_INTRA, ClusterModel
+from spread.plan.costs import Link
+from spread.plan.predict import Candidate, Options, balanced_stage_shares, candidates, predict
+from spread.plan.workload import LayerProfile, ModelProfile
+
+MB = 1e6
+
+
+def _profile(**changes) -> ModelProfile:
+    layers = tuple(
+        LayerProfile(
+            name=str(i),
+            time_share=0.25,
+            param_bytes=2.5 * MB,
+            activation_bytes_per_sample=1000.0,
+            output_bytes_per_sample=100.0,
+        )
+        for i in range(4)
+    )
+    fields = dict(
+        name="toy",
+        param_bytes=10 * MB,
+        sparse_bytes=0.0,
+        sparse_row_bytes=0.0,
+        sparse_rows_per_sample=0.0,
+        optimizer_bytes=20 * MB,
+        activation_bytes_per_sample=4000.0,
+        compute={1: (0.0, 1e-3), 2: (0.0, 0.6e-3)},  # 1 ms per sample on 1 thread, 0.6 ms on 2
+        backward_fraction=0.5,
+        optimizer_seconds=0.01,
+        batch=64,
+        layers=layers,
+    )
+    fields.update(changes)
+    return ModelProfile(**fields)
+
+
+def _cluster(**changes) -> ClusterModel:
+    intra = dict(DEFAULT_INTRA)
+    intra["shm"] = Link(0.0, 1e9)
+    intra["native"] = Link(0.0, 1e8)
+    fields = dict(nodes=1, devices_per_node=2, cores_per_node=2, intra=intra, overlap=1.0)
+    fields.update(changes)
+    return ClusterModel(**fields)
+
+
+def test_one_device_uses_every_core():
+    p = predict(Candidate("one_device", 1), _profile(), _cluster(), Options(global_batch=100))
+    assert p.step_seconds == pytest.approx(100 * 0.6e-3 + 0.01)
+    assert p.samples_per_second == pytest.approx(100 / 0.07)
+
+
+def test_multi_worker_mirrored_shm_by_hand():
+    # 2 processes x 1 thread, 50 samples each: compute 50 ms, backward 25 ms. 10 MB of gradients in one
+    # bucket: shm (3 + 1/2) * 10 MB / 1 GB/s = 35 ms, ready at 25 ms -> 35 ms exposed. Plus 10 ms update.
+    c = Candidate("multi_worker_mirrored", 2, (("communication", "shm"),))
+    p = predict(c, _profile(), _cluster(), Options(global_batch=100))
+    assert p.parts["communication"] == pytest.approx(0.035)
+    assert p.parts["exposed"] == pytest.approx(0.035)
+    assert p.step_seconds == pytest.approx(0.05 + 0.035 + 0.01)
+    # Efficiency against 2 x one process with 1 thread (100 samples in 110 ms each).
+    assert p.scaling_efficiency == pytest.approx((100 / 0.095) / (2 * 100 / 0.11))
+    # Memory: parameters, gradients, flat gradient buffer, Adam state, 50 samples of activations.
+    assert p.memory.total == pytest.approx(10 * MB * 3 + 20 * MB + 50 * 4000)
+
+
+def test_slow_native_loses_to_shm_and_accumulation_divides_activations():
+    opts = Options(global_batch=100, accumulation_steps=2)
+    native = predict(
+        Candidate("multi_worker_mirrored", 2, (("communication", "native"),)), _profile(), _cluster(), opts
+    )
+    shm = predict(
+        Candidate("multi_worker_mirrored", 2, (("communication", "shm"),)), _profile(), _cluster(), opts
+    )
+    assert native.step_seconds > shm.step_seconds
+    assert shm.memory.activations == 25 * 4000
+
+
+def test_balanced_stage_split():
+    assert balanced_stage_shares([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert balanced_stage_shares([3, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert balanced_stage_shares([1, 1, 1], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="cannot split 2 blocks into 3 stages"):
+        balanced_stage_shares([1, 1], 3)
+
+
+def test_pipeline_by_hand():
+    # S=2, M=4, 100 samples: micro-batch 25 (25 ms on 1 thread), a stage is half the model: 12.5 ms
+    # per slot; 100 B x 25 = 2.5 KB per hop at 1e8 B/s = 25 us. (4 + 1) slots + 2 hops + half the update.
+    c = Candidate("pipeline", 2, (("stages", 2), ("microbatches", 4), ("schedule", "1f1b")))
+    p = predict(c, _profile(), _cluster(), Options(global_batch=100))
+    hop = 2500 / 1e8
+    assert p.step_seconds == pytest.approx(5 * 0.0125 + 2 * hop + 0.005)
+    # 1F1B keeps 2 micro-batches of 25 samples of the stage's 2 blocks' activations.
+    assert p.memory.activations == pytest.approx(2 * 25 * 2000)
+
+
+def test_parameter_server_moves_only_touched_rows():
+    sparse = _profile(
+        param_bytes=400 * MB + 1 * MB,
+        sparse_bytes=400 * MB,
+        sparse_row_bytes=256.0,
+        sparse_rows_per_sample=10.0,
+    )
+    c = Candidate("parameter_server", 2, (("servers", 1),))
+    p = predict(c, sparse, _cluster(), Options(global_batch=100))
+    # One worker with 100 samples touches 1000 rows: 1 MB dense + 256 KB sparse each way.
+    assert "1.26 MB pulled and pushed" in p.note
+
+
+def test_candidates_respect_the_cluster():
+    one_node = {c.label for c in candidates(_profile(), _cluster(), Options(global_batch=64))}
+    assert "multi_worker_mirrored[shm]" in one_node and "mirrored" in one_node
+    two_nodes = {c.label for c in candidates(_profile(), _cluster(nodes=2), Options(global_batch=64))}
+    assert "multi_worker_mirrored[hierarchical]" in two_nodes
+    assert not {"multi_worker_mirrored[shm]", "mirrored", "central_storage"} & two_nodes
+    assert "pipeline[S=4 M=8 1f1b]" in two_nodes
+
+
+def test_unknown_strategy_is_named():
+    with pytest.raises(PlanError, match="unknown strategy 'horovod'"):
+        make_plan(_profile(), _cluster(), Options(global_batch=64), ("horovod",))
+
+
+def test_a_batch_smaller_than_the_cluster_is_impossible():
+    with pytest.raises(PlanError, match="cannot be split over 4 devices"):
+        make_plan(_profile(), _cluster(devices_per_node=4), Options(global_batch=3))
+
+
+def test_recommendation_is_the_fastest_that_fits():
+    plan = make_plan(_profile(), _cluster(), Options(global_batch=100))
+    assert plan.recommended is plan.predictions[0]
+    assert "ahead of" in plan.reason
+    # With near-free shared memory, data parallelism is fastest; a memory limit that only pipeline
+    # stages meet (half the parameters each) makes the pipeline the answer, and the reason says so.
+    fast = dict(DEFAULT_INTRA, shm=Link(0.0, 1e11))
+    profile = _profile(optimizer_seconds=0.0)
+    assert make_plan(
+        profile, _cluster(intra=fast), Options(global_batch=100)
+    ).recommended.candidate.label in ("mirrored", "multi_worker_mirrored[shm]")
+    tight = _cluster(intra=fast, memory_per_device=36 * MB)
+    plan = make_plan(profile, tight, Options(global_batch=100))
+    assert plan.recommended.candidate.strategy == "pipeline"
+    assert "does not fit in memory" in plan.reason
+
+
+def test_a_model_that_fits_nowhere_says_what_would_make_it_fit():
+    with pytest.raises(PlanError) as info:
+        make_plan(_profile(), _cluster(memory_per_device=1 * MB), Options(global_batch=100))
+    message = str(info.value)
+    assert "fits on no strategy" in message
+    assert "a device with at least" in message
+    assert "activation checkpointing" in message and "accumulation_steps=2" in message

@@ -1,0 +1,67 @@
+"""Model profiling: exact byte counts where they are knowable, sane timings, the user's model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from spread.plan.workload import measure_model
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_byte_counts_of_an_mlp_with_adam():
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), x, y, optimizer=optimizer, repeats=1)
+    n_params = 32 * 64 + 64 + 64 * 10 + 10
+    assert profile.param_bytes == 4 * n_params
+    # Adam keeps exp_avg and exp_avg_sq per parameter (plus a scalar step each).
+    assert 2 * 4 * n_params <= profile.optimizer_bytes <= 2 * 4 * n_params + 64
+    # Autograd saves at least the input (32), the hidden pre- and post-activation (64 + 64) per sample.
+    assert profile.activation_bytes_per_sample >= 4 * (32 + 64)
+    assert [layer.name for layer in profile.layers] == ["0", "1", "2"]
+    assert sum(layer.time_share for layer in profile.layers) == pytest.approx(1.0)
+    assert profile.layers[0].output_bytes_per_sample == 4 * 64
+    assert profile.compute_seconds(16, 1) > 0
+    assert not optimizer.state  # the user's optimizer never stepped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_checkpointing_keeps_block_outputs_and_one_block():
+    profile = measure_model(
+        _mlp(), nn.CrossEntropyLoss(), torch.randn(8, 32), torch.randint(0, 10, (8,)), repeats=1
+    )
+    kept = sum(layer.output_bytes_per_sample for layer in profile.layers)
+    largest = max(layer.activation_bytes_per_sample for layer in profile.layers)
+    assert profile.checkpointed_activation_bytes_per_sample() == kept + largest
+
+
+class _Recommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(1000, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids).mean(1)).squeeze(1)
+
+
+def test_embedding_rows_touched_are_counted():
+    ids = torch.arange(40).reshape(10, 4)  # 10 samples, 4 distinct rows each, 40 distinct in all
+    profile = measure_model(_Recommender(), nn.MSELoss(), ids, torch.zeros(10), repeats=1)
+    assert profile.sparse_bytes == 1000 * 8 * 4
+    assert profile.sparse_row_bytes == 8 * 4
+    assert profile.sparse_rows_per_sample == pytest.approx(4.0)
+    assert profile.dense_bytes == profile.param_bytes - profile.sparse_bytes
+
+
+def test_a_batch_of_one_is_refused():
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        measure_model(_mlp(), nn.CrossEntropyLoss(), torch.randn(1, 32), torch.zeros(1, dtype=torch.long))
