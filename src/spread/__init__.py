@@ -24,6 +24,7 @@ _EXPORTS = {
     "OneDeviceStrategy": "spread.strategies",
     "MirroredStrategy": "spread.strategies",
     "MultiWorkerMirroredStrategy": "spread.strategies",
+    "CentralStorageStrategy": "spread.strategies",
     "PerReplica": "spread.strategies",
     "ReplicaContext": "spread.strategies",
     "get_replica_context": "spread.strategies",
@@ -36,6 +37,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CentralStorageStrategy",
     "ClusterSpec",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from spread import errors
     from spread.cluster import ClusterSpec, resolve_cluster
     from spread.strategies import (
+        CentralStorageStrategy,
         MirroredStrategy,
         MultiWorkerMirroredStrategy,
         OneDeviceStrategy,

@@ -106,8 +106,9 @@ def test_one_device_accumulation_equals_the_whole_batch(reference, steps):
     assert max_relative_difference(fit(spread.OneDeviceStrategy("cpu"), steps), reference) <= TOLERANCE
 
 
-def test_mirrored_accumulation_equals_the_whole_batch(reference):
-    strategy = spread.MirroredStrategy(num_replicas=2, intra_op_threads=1)
+@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
+def test_threaded_replicas_accumulation_equals_the_whole_batch(reference, name):
+    strategy = spread.strategies.make_strategy(name, num_replicas=2, intra_op_threads=1)
     try:
         weights = fit(strategy, 3)
     finally:

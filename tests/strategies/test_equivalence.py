@@ -30,6 +30,17 @@ def test_mirrored_equals_one_device(reference, replicas, optimizer_name):
     assert max_relative_difference(weights, reference[optimizer_name]) <= TOLERANCE
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_central_storage_equals_one_device(reference, replicas, optimizer_name):
+    strategy = spread.CentralStorageStrategy(num_replicas=replicas, intra_op_threads=1)
+    try:
+        weights = train_custom_loop(strategy, optimizer_name)
+    finally:
+        strategy.close()
+    assert max_relative_difference(weights, reference[optimizer_name]) <= TOLERANCE
+
+
 def _mwms_worker(optimizer_names: list[str]) -> dict:
     rank = int(os.environ["RANK"])
     strategy = spread.MultiWorkerMirroredStrategy()

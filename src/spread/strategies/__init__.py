@@ -6,6 +6,7 @@ the training loop around it in *cross-replica context*.
 """
 
 from spread.strategies.base import Strategy, SupportsNoSync
+from spread.strategies.central_storage import CentralStorageStrategy
 from spread.strategies.context import ReplicaContext, get_replica_context, get_strategy
 from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
@@ -15,6 +16,7 @@ from spread.values import PerReplica
 
 __all__ = [
     "STRATEGIES",
+    "CentralStorageStrategy",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",

@@ -33,7 +33,9 @@ CROSS_DEVICE_OPS = ("auto",)
 
 
 def _resolve_devices(
-    devices: Sequence[str | torch.device] | None, num_replicas: int | None
+    devices: Sequence[str | torch.device] | None,
+    num_replicas: int | None,
+    strategy_name: str = "MirroredStrategy",
 ) -> list[torch.device]:
     if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
         raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
@@ -52,7 +54,7 @@ def _resolve_devices(
     physical = {d for d in resolved if d.type != "cpu"}
     if len(physical) > 1:
         raise SpreadError(
-            "MirroredStrategy runs its replicas in one process on one physical device; "
+            f"{strategy_name} runs its replicas in one process on one physical device; "
             f"got {sorted(map(str, physical))}. "
             f"For several GPUs use MultiWorkerMirroredStrategy with one process per GPU: "
             f"`spread run -n {len(physical)} script.py`."
@@ -82,7 +84,7 @@ class MirroredStrategy(Strategy):
         super().__init__()
         if cross_device_ops not in CROSS_DEVICE_OPS:
             raise ValueError(f"cross_device_ops must be one of {CROSS_DEVICE_OPS}, got {cross_device_ops!r}")
-        self._devices = _resolve_devices(devices, num_replicas)
+        self._devices = _resolve_devices(devices, num_replicas, type(self).__name__)
         self.cross_device_ops = cross_device_ops
         n = len(self._devices)
         if intra_op_threads == "auto":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from spread.strategies.base import Strategy
+from spread.strategies.central_storage import CentralStorageStrategy
 from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from spread.strategies.one_device import OneDeviceStrategy
@@ -13,6 +14,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
+    "central_storage": CentralStorageStrategy,
 }
 
 
