@@ -138,3 +138,18 @@ def test_memory_terms():
     assert one_f_one_b.activations == 4.0 * 4 * 2  # at most S = 2 in flight
     with pytest.raises(ValueError, match="schedule"):
         pipeline_memory(1, 1, 1, 1, 1, 1, "zigzag")
+
+
+def test_bucket_ready_fractions_follow_the_arrival_curve():
+    from spread.plan.costs import bucket_ready_fractions
+
+    # Even pace: 3 equal buckets ready at 1/3, 2/3, 1.
+    assert bucket_ready_fractions([1, 1, 1]) == pytest.approx([1 / 3, 2 / 3, 1.0])
+    # 90% of the bytes (a big last layer) arrive in the first 10% of backward, the rest evenly:
+    # the first bucket (half the bytes) is ready at 10% * 0.5 / 0.9; the second at the end.
+    assert bucket_ready_fractions([1, 1], ((0.1, 0.9),)) == pytest.approx([0.1 * 0.5 / 0.9, 1.0])
+    # Early buckets hide behind the rest of backward: 0.4 s of work ready at 0.0556 s of a 1 s
+    # backward is fully hidden; the last bucket (ready at 1.0) is exposed.
+    ready = bucket_ready_fractions([1, 1], ((0.1, 0.9),))
+    assert exposed_communication(1.0, [0.4, 0.4], 1.0, ready) == pytest.approx(0.4)
+    assert exposed_communication(1.0, [0.4, 0.1], 1.0, ready) == pytest.approx(0.1)

@@ -18,6 +18,7 @@ hierarchical   shm inside a node of k ranks, then ring over the m node leaders o
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -84,20 +85,49 @@ def bucket_sizes(total_bytes: float, bucket_bytes: float) -> list[float]:
     return [bucket_bytes] * int(full) + ([rest] if rest > 0 else [])
 
 
-def exposed_communication(backward_s: float, bucket_times: list[float], overlap: float = 1.0) -> float:
+def bucket_ready_fractions(
+    bucket_bytes: list[float], arrival: tuple[tuple[float, float], ...] | None = None
+) -> list[float]:
+    """When each bucket is full, as a fraction of backward, from the gradient arrival curve.
+
+    ``arrival``: increasing ``(fraction of backward elapsed, fraction of gradient bytes ready)`` points
+    (measured by :func:`spread.plan.workload.measure_model`); ``None`` means an even pace. A bucket
+    is ready when the bytes up to its end have arrived (linear between points).
+    """
+    total = sum(bucket_bytes)
+    if total <= 0:
+        return []
+    points = [(0.0, 0.0), *(arrival or ()), (1.0, 1.0)]
+    ready, cumulative = [], 0.0
+    for size in bucket_bytes:
+        cumulative += size
+        need = cumulative / total
+        for (t0, b0), (t1, b1) in itertools.pairwise(points):
+            if b1 >= need - 1e-12:
+                ready.append(t1 if b1 <= b0 else t0 + (t1 - t0) * (need - b0) / (b1 - b0))
+                break
+        else:
+            ready.append(1.0)
+    return [min(max(r, 0.0), 1.0) for r in ready]
+
+
+def exposed_communication(
+    backward_s: float, bucket_times: list[float], overlap: float = 1.0, ready: list[float] | None = None
+) -> float:
     """Seconds of communication left after backward ends, for buckets launched as they fill.
 
-    Bucket ``i`` of ``k`` is ready at ``backward_s * (i + 1) / k`` (gradients arrive at an even pace);
-    buckets are sent one after another. While backward still runs, communication advances at rate
-    ``overlap`` (1: fully hidden behind compute; 0: no progress until backward ends, as when both
-    compete for the same cores and compute wins); afterwards at full rate.
+    Bucket ``i`` of ``k`` is ready at ``backward_s * ready[i]`` (default ``(i + 1) / k``: gradients
+    arriving at an even pace; see :func:`bucket_ready_fractions`); buckets are sent one after
+    another. While backward still runs, communication advances at rate ``overlap`` (1: fully
+    hidden behind compute; 0: no progress until backward ends, as when both compete for the same
+    cores and compute wins); afterwards at full rate.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap!r}")
     k = len(bucket_times)
     cursor = 0.0
     for i, cost in enumerate(bucket_times):
-        cursor = max(cursor, backward_s * (i + 1) / k)
+        cursor = max(cursor, backward_s * (ready[i] if ready is not None else (i + 1) / k))
         if cursor < backward_s:
             window = (backward_s - cursor) * overlap
             if overlap > 0 and cost <= window:

@@ -19,6 +19,7 @@ from spread.plan.cluster import ClusterModel
 from spread.plan.costs import (
     MemoryBreakdown,
     allreduce_time,
+    bucket_ready_fractions,
     bucket_sizes,
     data_parallel_memory,
     exposed_communication,
@@ -185,9 +186,11 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         comm_total = exposed = allreduce_time("reduce_to_one", grad_bytes, n, cl.intra["memory"])
     else:
         algorithm = c.get("communication", "native")
-        buckets = [_allreduce(cl, algorithm, b, n) for b in bucket_sizes(grad_bytes, o.bucket_bytes)]
+        sizes = bucket_sizes(grad_bytes, o.bucket_bytes)
+        buckets = [_allreduce(cl, algorithm, b, n) for b in sizes]
         comm_total = sum(buckets)
-        exposed = exposed_communication(backward, buckets, cl.overlap)
+        ready = bucket_ready_fractions(sizes, p.gradient_arrival)
+        exposed = exposed_communication(backward, buckets, cl.overlap, ready)
     opt = p.optimizer_seconds / cl.compute_scale
     step = compute + exposed + opt
     memory = data_parallel_memory(

@@ -47,6 +47,8 @@ class ModelProfile:
     optimizer_seconds: float
     batch: int
     layers: tuple[LayerProfile, ...] = field(default_factory=tuple)
+    # (fraction of backward elapsed, fraction of gradient bytes ready), measured; None: even pace
+    gradient_arrival: tuple[tuple[float, float], ...] | None = None
 
     @property
     def dense_bytes(self) -> float:
@@ -158,9 +160,22 @@ def measure_model(
         loss_fn(work(x), y).backward()
 
     counter = _SavedBytes(work)
+    arrivals: list[tuple[float, int]] = []
+    hooks = [
+        p.register_post_accumulate_grad_hook(
+            lambda p: arrivals.append((time.perf_counter(), p.numel() * p.element_size()))
+        )
+        for p in params
+    ]
     with counter.hooks():
         x, y = _take(inputs, batch), _take(targets, batch)
-        loss_fn(work(x), y).backward()
+        loss = loss_fn(work(x), y)
+    started = time.perf_counter()
+    loss.backward()
+    ended = time.perf_counter()
+    for hook in hooks:
+        hook.remove()
+    gradient_arrival = _arrival_curve(arrivals, started, ended)
     for handle in handles:
         handle.remove()
     rows = sum(int(torch.unique(t).numel()) for t in touched) / batch if touched else 0.0
@@ -212,7 +227,23 @@ def measure_model(
         optimizer_seconds=optimizer_seconds,
         batch=batch,
         layers=layers,
+        gradient_arrival=gradient_arrival,
     )
+
+
+def _arrival_curve(
+    arrivals: list[tuple[float, int]], started: float, ended: float
+) -> tuple[tuple[float, float], ...] | None:
+    """Cumulative gradient bytes over backward time, from post-accumulate hook timestamps."""
+    total = sum(n for _, n in arrivals)
+    span = ended - started
+    if not arrivals or total <= 0 or span <= 0:
+        return None
+    points, done = [], 0
+    for when, nbytes in sorted(arrivals):
+        done += nbytes
+        points.append((min(max((when - started) / span, 0.0), 1.0), done / total))
+    return tuple(points)
 
 
 def _layer_profiles(model: nn.Module, x: Any, forward_seconds: float) -> tuple[LayerProfile, ...]:
