@@ -4,8 +4,17 @@ On a CPU the logical devices share the host's memory, so the replicas share one 
 each replica thread runs forward and backward on its slice, and autograd's gradient accumulation
 (serialised per parameter by a lock inside PyTorch) sums the replicas' gradients in place; a hook
 weights each replica's gradient by its share of the global batch first. That is the in-process
-all-reduce, with no copy at all. Each replica gets ``cores // replicas`` intra-op threads so the
-replicas run side by side instead of fighting over the cores.
+all-reduce with no copy at all: ``cross_device_ops="accumulate"`` (what ``"auto"`` means). Each
+replica gets ``cores // replicas`` intra-op threads so the replicas run side by side instead of
+fighting over the cores.
+
+``cross_device_ops="reduce_to_one"`` or ``"hierarchical_copy"`` give each replica its own flat
+gradient buffer instead: a pre-hook on each parameter's gradient accumulator writes the replica's
+weighted gradient into that replica's buffer and keeps it out of ``.grad``; when every replica has
+returned, ``strategy.run`` sums the buffers with :mod:`spread.comm.in_process`'s algorithm of that
+name (``hierarchical_copy`` on the replicas' threads) and adds the total to ``.grad``. Semantics
+are the same as with ``"accumulate"`` (a parameter no replica used keeps its ``.grad``); the cost is
+one write per replica and one reduction pass per step.
 
 Several distinct accelerators in one process are not supported: PyTorch's answer for that is one
 process per device, which is :class:`MultiWorkerMirroredStrategy` under ``spread run -n <devices>``.
@@ -22,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.comm.in_process import hierarchical_copy, reduce_to_one
 from spread.data import ReplicaLayout
 from spread.errors import SpreadError
 from spread.strategies.base import Strategy, check_reduce_op
@@ -29,7 +39,7 @@ from spread.strategies.context import ReplicaContext, _set_replica_context, get_
 from spread.strategies.one_device import default_device
 from spread.values import PerReplica, select_replica
 
-CROSS_DEVICE_OPS = ("auto",)
+CROSS_DEVICE_OPS = ("auto", "accumulate", "reduce_to_one", "hierarchical_copy")
 
 
 def _resolve_devices(
@@ -69,7 +79,10 @@ class MirroredStrategy(Strategy):
         devices: the replicas' devices (all on one physical device); default: the GPU if any (one
             replica), else one logical CPU device per core.
         num_replicas: number of replicas when ``devices`` is not given (e.g. 2 logical CPU devices).
-        cross_device_ops: how replicas' gradients are combined; ``"auto"`` (in-place accumulation).
+        cross_device_ops: how replicas' gradients are combined: ``"accumulate"`` (autograd sums them
+            in place in the shared ``.grad``, no copy; what ``"auto"`` means), ``"reduce_to_one"`` or
+            ``"hierarchical_copy"`` (per-replica gradient buffers, summed after the replicas return;
+            see :mod:`spread.comm.in_process`).
         intra_op_threads: threads each replica's ops may use; ``"auto"`` = cores // replicas, set once
             for the process (``torch.set_num_threads``) unless ``OMP_NUM_THREADS`` is set.
     """
@@ -85,7 +98,8 @@ class MirroredStrategy(Strategy):
         if cross_device_ops not in CROSS_DEVICE_OPS:
             raise ValueError(f"cross_device_ops must be one of {CROSS_DEVICE_OPS}, got {cross_device_ops!r}")
         self._devices = _resolve_devices(devices, num_replicas, type(self).__name__)
-        self.cross_device_ops = cross_device_ops
+        self.cross_device_ops = "accumulate" if cross_device_ops == "auto" else cross_device_ops
+        self._replica_grads: _ReplicaGradients | None = None
         n = len(self._devices)
         if intra_op_threads == "auto":
             if "OMP_NUM_THREADS" not in os.environ and self._devices[0].type == "cpu":
@@ -123,9 +137,14 @@ class MirroredStrategy(Strategy):
         return list(self._devices)
 
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-        for p in params:
-            if p.requires_grad:
-                self._hooks.append(p.register_hook(_weight_by_replica_share))
+        if self.cross_device_ops == "accumulate":
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_hook(_weight_by_replica_share))
+            return
+        if self._replica_grads is not None:
+            self._replica_grads.close()
+        self._replica_grads = _ReplicaGradients(self, self.managed_parameters, self.num_replicas_in_sync)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         if get_replica_context() is not None:
@@ -155,9 +174,24 @@ class MirroredStrategy(Strategy):
             except BaseException as exc:
                 errors.append((i, exc))
         if errors:
+            if self._replica_grads is not None:
+                self._replica_grads.discard()
             index, exc = errors[0]
             raise SpreadError(f"replica {index} of {n} failed in strategy.run: {exc!r}") from exc
+        if self._replica_grads is not None:
+            self._replica_grads.reduce_into_grads(self.cross_device_ops, self._parallel)
         return PerReplica(results) if n > 1 else results[0]
+
+    def _parallel(self, tasks) -> None:
+        """Run ``tasks`` on the replica threads (the first on this thread) and wait for all."""
+        futures = [self._pool.submit(task) for task in tasks[1:]] if self._pool else []
+        if not self._pool:
+            for task in tasks[1:]:
+                task()
+        if tasks:
+            tasks[0]()
+        for future in futures:
+            future.result()
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         op = check_reduce_op(op)
@@ -176,6 +210,9 @@ class MirroredStrategy(Strategy):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._replica_grads is not None:
+            self._replica_grads.close()
+            self._replica_grads = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -188,6 +225,100 @@ def _weight_by_replica_share(grad: torch.Tensor) -> torch.Tensor | None:
     if ctx is None or not isinstance(ctx.strategy, MirroredStrategy):
         return None
     return grad * ctx.weight
+
+
+class _ReplicaGradients:
+    """One flat gradient buffer per replica and (device, dtype), filled by accumulator pre-hooks.
+
+    Replica ``i``'s hook (it runs on replica ``i``'s thread) writes ``weight_i * grad`` into its own
+    buffer (adding when the parameter already has a gradient there this step) and returns no
+    gradient, so ``.grad`` is untouched until :meth:`reduce_into_grads`. Outside ``strategy.run`` the
+    hook passes gradients through, so plain backward passes behave as usual.
+    """
+
+    def __init__(self, strategy: MirroredStrategy, params: list[nn.Parameter], replicas: int) -> None:
+        self.strategy = strategy
+        self.params = [p for p in params if p.requires_grad]
+        self.slots: dict[int, tuple[int, int]] = {}  # id(p) -> (group, offset)
+        sizes: dict[tuple, int] = {}
+        keys: list[tuple] = []
+        for p in self.params:
+            key = (p.device, p.dtype)
+            if key not in sizes:
+                sizes[key] = 0
+                keys.append(key)
+            self.slots[id(p)] = (keys.index(key), sizes[key])
+            sizes[key] += p.numel()
+        self.buffers = [
+            [torch.zeros(sizes[key], dtype=key[1], device=key[0]) for _ in range(replicas)] for key in keys
+        ]
+        self.present: list[set[int]] = [set() for _ in range(replicas)]
+        self._nodes: list[Any] = []  # the accumulators must stay alive for their hooks to stay
+        self._handles: list[Any] = []
+        for p in self.params:
+            with torch.enable_grad():
+                node = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad
+            self._nodes.append(node)
+            self._handles.append(node.register_prehook(self._make_hook(p)))
+
+    def _make_hook(self, p: nn.Parameter):
+        key = id(p)
+        group, offset = self.slots[key]
+        numel, shape = p.numel(), p.shape
+
+        def capture(grads: tuple) -> tuple | None:
+            ctx = get_replica_context()
+            grad = grads[0]
+            if ctx is None or ctx.strategy is not self.strategy or grad is None:
+                return None
+            i = ctx.replica_id_in_sync_group
+            slot = self.buffers[group][i][offset : offset + numel].view(shape)
+            if key in self.present[i]:
+                slot.add_(grad, alpha=ctx.weight)
+            else:
+                torch.mul(grad, ctx.weight, out=slot)
+                self.present[i].add(key)
+            return (None,)
+
+        return capture
+
+    def reduce_into_grads(self, algorithm: str, parallel) -> None:
+        """Sum the replicas' buffers (``algorithm`` of :mod:`spread.comm.in_process`) and add the
+        total to ``.grad`` of every parameter some replica produced a gradient for."""
+        used = set().union(*self.present)
+        if not used:
+            return
+        for i, present in enumerate(self.present):
+            for p in self.params:  # a parameter this replica did not use contributes zeros
+                key = id(p)
+                if key in used and key not in present:
+                    group, offset = self.slots[key]
+                    self.buffers[group][i][offset : offset + p.numel()].zero_()
+        for replica_buffers in self.buffers:
+            if algorithm == "reduce_to_one":
+                reduce_to_one(replica_buffers)
+            else:
+                hierarchical_copy(replica_buffers, parallel=parallel)
+        for p in self.params:
+            if id(p) not in used:
+                continue
+            group, offset = self.slots[id(p)]
+            total = self.buffers[group][0][offset : offset + p.numel()].view(p.shape)
+            if p.grad is None:
+                p.grad = total.clone()
+            else:
+                p.grad.add_(total)
+        self.discard()
+
+    def discard(self) -> None:
+        for present in self.present:
+            present.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._nodes.clear()
 
 
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
