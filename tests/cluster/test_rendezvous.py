@@ -64,3 +64,72 @@ def test_unreachable_store_names_the_address(monkeypatch):
     with pytest.raises(RendezvousError, match=r"could not reach the rendezvous store at 127\.0\.0\.1:9"):
         rendezvous(resolve_cluster(), init_timeout=1)
     assert not dist.is_initialized()
+
+
+def _store_host_dies_after_rendezvous(what: str) -> dict:
+    """H4: rank 0 (which hosts the TCPStore) is SIGKILLed after joining; rank 1 carries on.
+
+    ``store`` / ``collective``: rank 0 dies once both ranks are through rendezvous (a barrier first),
+    then rank 1 reads the store or runs a collective. ``racing``: rank 0 dies the moment its own
+    rendezvous returns, so rank 1 may still be inside rendezvous (the gloo setup on the store).
+    """
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from spread.comm.ops import Collectives
+
+    rank = int(os.environ["RANK"])
+    rdzv = None
+    start = time.monotonic()
+    try:
+        rdzv = rendezvous(resolve_cluster())
+        if what != "racing":
+            Collectives().barrier(name="everyone_joined")
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        start = time.monotonic()
+        if what == "store":
+            rdzv.store.get("a-key-nobody-sets")
+        else:
+            Collectives().all_reduce(torch.ones(4), name="after_chief_death")
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    detected = time.monotonic() - start
+    close_start = time.monotonic()
+    if rdzv is not None:
+        rdzv.close()  # shutting down must not block on the dead store either
+    return {"outcome": outcome, "detected_s": detected, "close_s": time.monotonic() - close_start}
+
+
+@pytest.mark.parametrize("what", ["store", "collective", "racing"])
+def test_h4_store_host_dies_after_rendezvous_workers_fail_within_the_deadline(what):
+    results = launch_ranks(
+        _store_host_dies_after_rendezvous,
+        2,
+        args=(what,),
+        init_timeout=10,
+        collective_timeout=10,
+        fail_fast_grace=40,
+        timeout=90,
+    )
+    assert results[0].exitcode == -9, results[0].describe()
+    worker = results[1]
+    assert worker.ok, worker.describe()
+    value = worker.value
+    outcome = value["outcome"]
+    if what == "store":
+        assert outcome.startswith("DistNetworkError") and "Connection was likely closed" in outcome
+    elif what == "collective":
+        assert outcome.startswith(("PeerLostError", "CollectiveTimeout")), outcome
+        assert "rank 1: after_chief_death #0" in outcome
+    else:
+        assert outcome.startswith(("RendezvousError", "PeerLostError", "CollectiveTimeout")), outcome
+        assert "rank 1" in outcome
+    assert value["detected_s"] < 10 + 15  # the configured deadline plus a margin for a loaded machine
+    assert value["close_s"] < 15
+    print("FIGURES H4", what, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in value.items()})

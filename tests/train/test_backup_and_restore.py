@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import secrets
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -65,74 +72,393 @@ def test_bad_save_freq():
 
 
 CHAOS_SCRIPT = r"""
-import os, signal, sys, torch
+import json, os, signal, sys, time
+import psutil, torch
 from torch import nn
 import spread
 from spread.train.callbacks import BackupAndRestore, Callback
 
-class KillAt(Callback):
-    def on_train_batch_end(self, step, logs=None):
-        attempt = os.environ.get("SPREAD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
-        if (attempt == "0" and self.trainer.global_step == int(sys.argv[2])
-                and self.trainer.strategy.rank == int(sys.argv[3])):
-            print("CHAOS: SIGKILL rank", sys.argv[3], "at step", sys.argv[2], flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+# One fault schedule per run, from one environment variable (see _launch); by default a fault fires
+# only on the first attempt, so the restarted group runs clean.
+cfg = json.loads(os.environ.get("SPREAD_CHAOS", "{}"))
+attempt = int(os.environ.get("SPREAD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+backup_dir, report_dir = sys.argv[1], sys.argv[2]
+armed = cfg.get("every_attempt", False) or attempt == 0
+
+def say(line):  # one write per line: under torchrun all ranks share one stdout pipe
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 strategy = spread.MultiWorkerMirroredStrategy()
+rank = strategy.rank
+say(f"PID attempt={attempt} rank={rank} pid={os.getpid()}")
+with open(os.path.join(report_dir, f"token-{attempt}-{rank}"), "w") as f:  # for the S6 search only
+    f.write(os.environ.get("SPREAD_JOB_TOKEN", ""))
+
+class IdModel(nn.Module):
+    # Column 0 of every sample is its id: the model trains on the rest and remembers the ids it saw.
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        self.ids = []
+    def forward(self, x):
+        self.ids = [int(i) for i in x[:, 0].tolist()]
+        return self.net(x[:, 1:])
+
+class Chaos(Callback):
+    def fire(self, hook):
+        step = self.trainer.global_step
+        if not armed or cfg.get("hook", "batch_end") != hook or step != cfg.get("step"):
+            return
+        if rank not in cfg.get("ranks", []):
+            return
+        mode = cfg.get("mode", "sigkill")
+        say(f"CHAOS attempt={attempt} rank={rank} step={step} mode={mode} t={time.time():.6f}")
+        if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"chaos: rank {rank} fails at step {step}")
+    def on_train_begin(self, logs=None):
+        restored = backup.restored_step
+        say(f"RESTORED attempt={attempt} rank={rank} step={restored}")
+        self.first = True
+    def on_train_batch_begin(self, step, logs=None):
+        if self.first:
+            self.first = False
+            step = self.trainer.global_step
+            say(f"RESUMED attempt={attempt} rank={rank} step={step} t={time.time():.6f}")
+        self.fire("batch_begin")
+    def on_epoch_begin(self, epoch, logs=None):
+        self.fire("epoch_begin")
+    def on_train_batch_end(self, step, logs=None):
+        ids = ",".join(map(str, self.trainer.model.ids))
+        say(f"IDS attempt={attempt} rank={rank} step={self.trainer.global_step} ids={ids}")
+        if self.trainer.global_step == 2:
+            listen = [f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN]
+            addrs = json.dumps(listen, separators=(",", ":"))  # no spaces: one key=value field
+            say(f"LISTEN attempt={attempt} rank={rank} addrs={addrs}")
+            launcher = psutil.Process(os.getppid())
+            job = [launcher, *launcher.children(recursive=True)]
+            with open(os.path.join(report_dir, f"cmdlines-{attempt}-{rank}.json"), "w") as f:
+                json.dump([" ".join(p.cmdline()) for p in job], f)
+        self.fire("batch_end")
+
+class ArmCrashPoint(Callback):  # runs before BackupAndRestore: its save at crash_step dies at crash_point
+    def on_train_batch_end(self, step, logs=None):
+        if armed and rank == 0 and cfg.get("crash_point") and self.trainer.global_step == cfg["crash_step"]:
+            say(f"CHAOS attempt={attempt} rank={rank} step={self.trainer.global_step} "
+                  f"mode=crash_point:{cfg['crash_point']} t={time.time():.6f}")
+            os.environ["SPREAD_CHECKPOINT_CRASH_AT"] = cfg["crash_point"]
+
 g = torch.Generator().manual_seed(1)
-x, y = torch.randn(200, 8, generator=g), torch.randint(0, 3, (200,), generator=g)
+n = 200
+x = torch.cat([torch.arange(n, dtype=torch.float32)[:, None], torch.randn(n, 8, generator=g)], dim=1)
+y = torch.randint(0, 3, (n,), generator=g)
 torch.manual_seed(0)
 with strategy.scope():
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    model = IdModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+save_freq = cfg.get("save_freq", 4)
+keep = cfg.get("keep_backup", False)
+backup = BackupAndRestore(backup_dir, save_freq=save_freq, delete_checkpoint=not keep)
 trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy,
-                         callbacks=[BackupAndRestore(sys.argv[1], save_freq=4), KillAt()])
+                         callbacks=[ArmCrashPoint(), backup, Chaos()])
 trainer.fit((x, y), epochs=3, global_batch_size=32, verbose=0)
 if strategy.is_chief:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    print("WEIGHTS", " ".join(f"{v:.10e}" for v in flat.tolist()))
+    say("WEIGHTS " + " ".join(f"{v:.10e}" for v in flat.tolist()))
 strategy.close()
 """
 
+STEPS_PER_EPOCH, TOTAL_STEPS, SAMPLES = 7, 21, 200
+
+
+@dataclass
+class Run:
+    """What one launch of the chaos script printed and left behind."""
+
+    code: int
+    log: str
+    seconds: float
+    report_dir: Path
+    backup_dir: Path
+    weights: list[float] = field(default_factory=list)
+    ended: float = 0.0  # time.time() when spread run returned
+
+    def events(self, kind: str) -> list[dict]:
+        """Every ``KIND key=value ...`` line, as a dict (values parsed as numbers where they are)."""
+        found = []
+        for line in self.log.splitlines():
+            _, _, rest = line.partition("] ")  # strip spread run's "[rank R] " prefix
+            rest = rest if rest.startswith(kind + " ") else line
+            if not rest.startswith(kind + " "):
+                continue
+            fields = dict(item.split("=", 1) for item in rest[len(kind) + 1 :].split(" ") if "=" in item)
+            found.append({k: _number(v) for k, v in fields.items()})
+        return found
+
+    def restored(self, attempt: int) -> int:
+        steps = {e["step"] for e in self.events("RESTORED") if e["attempt"] == attempt}
+        assert len(steps) == 1, steps  # every rank restored the same step
+        step = steps.pop()
+        return 0 if step == "None" else step
+
+    def attempts(self) -> int:
+        return len({e["attempt"] for e in self.events("PID")})
+
+    def committed_ids(self) -> list[list[int]]:
+        """The ids whose gradients reached the final weights, per global step in step order.
+
+        A step done by attempt ``a`` counts only if the next attempt restored a state that includes
+        it (its step <= the next attempt's restored step); the last attempt's steps all count.
+        """
+        last = max(e["attempt"] for e in self.events("PID"))
+        per_step: dict[int, dict[int, list[int]]] = {}
+        for e in self.events("IDS"):
+            a = e["attempt"]
+            if a < last and e["step"] > self.restored(a + 1):
+                continue  # rolled back: recomputed by a later attempt
+            ranks = per_step.setdefault(e["step"], {})
+            assert e["rank"] not in ranks, f"step {e['step']} committed twice by rank {e['rank']}"
+            ranks[e["rank"]] = [int(i) for i in str(e["ids"]).split(",") if i != ""]
+        return [
+            list(chain.from_iterable(ranks[r] for r in sorted(ranks)))
+            for _, ranks in sorted(per_step.items())
+        ]
+
+    def token(self) -> str:
+        tokens = {p.read_text() for p in self.report_dir.glob("token-*")}
+        assert len(tokens) == 1, "every rank of every attempt shares one job token"
+        return tokens.pop()
+
+
+def _number(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
 
 def _launch(
-    tmp_path: Path, kill_step: int, kill_rank: int, launcher: str = "spread"
-) -> tuple[int, list[float], str]:
-    """Run the chaos script on 2 workers with one restart allowed, under spread run or torchrun."""
+    tmp_path: Path,
+    chaos: dict | None = None,
+    *,
+    nproc: int = 2,
+    max_restarts: int = 1,
+    launcher: str = "spread",
+    name: str = "run",
+) -> Run:
+    """Run the chaos script on ``nproc`` workers under spread run (or torchrun) with a hard timeout."""
     script = tmp_path / "chaos_train.py"
     script.write_text(CHAOS_SCRIPT)
+    report, backup = tmp_path / f"report-{name}", tmp_path / f"backup-{name}"
+    report.mkdir()
     bin_dir = Path(sys.executable).parent
     if launcher == "spread":
-        command = [str(bin_dir / "spread"), "run", "-n", "2", "--max-restarts", "1"]
+        command = [str(bin_dir / "spread"), "run", "-n", str(nproc), "--max-restarts", str(max_restarts)]
     else:
-        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(nproc)]
+        command += ["--max-restarts", str(max_restarts)]
+    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "SPREAD_JOB_TOKEN")
+    env = {k: v for k, v in os.environ.items() if k not in drop}  # the defaults a user gets
     env["SPREAD_COLLECTIVE_TIMEOUT"] = "20"
-    backup = tmp_path / f"backup-{launcher}-{kill_step}"
+    env["SPREAD_CHAOS"] = json.dumps(chaos or {})
+    if launcher == "torchrun":  # torchrun knows no job token: a user exports one (never on a command line)
+        env["SPREAD_JOB_TOKEN"] = secrets.token_hex(16)
+    start = time.monotonic()
     out = subprocess.run(
-        [*command, str(script), str(backup), str(kill_step), str(kill_rank)],
+        [*command, str(script), str(backup), str(report)],
         capture_output=True,
         text=True,
         timeout=240,
         env=env,
     )
+    run = Run(out.returncode, out.stdout + out.stderr, time.monotonic() - start, report, backup)
+    run.ended = time.time()
     match = re.search(r"WEIGHTS (.*)", out.stdout)
-    weights = [float(v) for v in match.group(1).split()] if match else []
-    return out.returncode, weights, out.stdout + out.stderr
+    run.weights = [float(v) for v in match.group(1).split()] if match else []
+    _assert_ranks_gone(run)
+    _assert_token_never_leaked(run)
+    return run
+
+
+def _assert_ranks_gone(run: Run) -> None:
+    """No rank of any attempt outlives the launcher (they are grandchildren: conftest cannot see them)."""
+    pids = [e["pid"] for e in run.events("PID")]
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        time.sleep(0.05)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks left running: {alive}"
+
+
+def _assert_token_never_leaked(run: Run) -> None:
+    """S6: the job token is in no output line, traceback, command line or checkpoint file."""
+    token = run.token()
+    assert len(token) == 32
+    assert token not in run.log
+    for path in run.report_dir.glob("cmdlines-*.json"):
+        assert token not in path.read_text(), path
+    if run.backup_dir.exists():
+        for path in run.backup_dir.rglob("*"):
+            assert not path.is_file() or token.encode() not in path.read_bytes(), path
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _epochs(steps: list[list[int]]) -> list[list[int]]:
+    assert len(steps) == TOTAL_STEPS, f"{len(steps)} committed steps, expected {TOTAL_STEPS}"
+    return [
+        list(chain.from_iterable(steps[e * STEPS_PER_EPOCH : (e + 1) * STEPS_PER_EPOCH])) for e in range(3)
+    ]
+
+
+def _recovery(run: Run) -> dict:
+    """Figures for docs/reliability.md: weights diff is added by the caller."""
+    chaos = run.events("CHAOS")
+    resumed = [e for e in run.events("RESUMED") if e["attempt"] == 1 and e["rank"] == 0]
+    figures = {"attempts": run.attempts(), "wall_s": round(run.seconds, 1)}
+    if chaos and resumed:
+        figures["kill_to_resumed_s"] = round(resumed[0]["t"] - chaos[0]["t"], 2)
+        figures["restored_step"] = run.restored(1)
+        figures["steps_recomputed"] = chaos[0]["step"] - run.restored(1)
+    print("FIGURES", json.dumps(figures))
+    return figures
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[float]:
-    code, weights, log = _launch(tmp_path_factory.mktemp("ref"), kill_step=-1, kill_rank=-1)
-    assert code == 0 and weights, log[-3000:]
-    return weights
+def uninterrupted(tmp_path_factory) -> Run:
+    run = _launch(tmp_path_factory.mktemp("ref"), {"keep_backup": True}, max_restarts=0, name="ref")
+    assert run.code == 0 and run.weights, run.log[-3000:]
+    return run
+
+
+def _assert_exact(run: Run, reference: Run) -> float:
+    """The resumed run ends with the reference's weights and committed every sample id exactly once
+    per epoch, in the reference's order (R1, R3)."""
+    assert run.code == 0 and run.weights, run.log[-3000:]
+    diff = _max_diff(run.weights, reference.weights)
+    assert diff == 0.0
+    epochs, expected = _epochs(run.committed_ids()), _epochs(reference.committed_ids())
+    for got, want in zip(epochs, expected, strict=True):
+        assert sorted(got) == list(range(SAMPLES))  # no duplicate, none missing
+        assert got == want  # the same order as the uninterrupted run
+    return diff
 
 
 @pytest.mark.parametrize("launcher", ["spread", "torchrun"])
 def test_sigkill_a_worker_restart_and_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted, launcher):
-    code, resumed, log = _launch(tmp_path, kill_step=11, kill_rank=1, launcher=launcher)
-    assert code == 0 and resumed, log[-3000:]
-    assert "CHAOS: SIGKILL rank 1 at step 11" in log
-    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted, strict=True)) == 0.0
+    run = _launch(tmp_path, {"mode": "sigkill", "step": 11, "ranks": [1]}, launcher=launcher)
+    assert "CHAOS attempt=0 rank=1 step=11 mode=sigkill" in run.log
+    _assert_exact(run, uninterrupted)
+    figures = _recovery(run)
+    assert figures["steps_recomputed"] <= 4 and figures["attempts"] == 2
+
+
+def test_r1_sigkill_one_of_four_workers(tmp_path):
+    reference = _launch(tmp_path, nproc=4, max_restarts=0, name="ref4")
+    assert reference.code == 0 and reference.weights, reference.log[-3000:]
+    run = _launch(tmp_path, {"mode": "sigkill", "step": 6, "ranks": [2]}, nproc=4)
+    assert "CHAOS attempt=0 rank=2 step=6 mode=sigkill" in run.log
+    _assert_exact(run, reference)
+    figures = _recovery(run)
+    assert figures["steps_recomputed"] == 2 and figures["attempts"] == 2
+
+
+# R2: kill points. (chaos, restored step): the step the restarted group resumes from.
+R2_POINTS = {
+    "step0": ({"mode": "sigkill", "step": 0, "ranks": [1], "hook": "batch_begin"}, 0),
+    "last_step": ({"mode": "sigkill", "step": 21, "ranks": [0]}, 20),
+    "epoch_boundary": (
+        {"mode": "sigkill", "step": 14, "ranks": [1], "hook": "epoch_begin", "save_freq": "epoch"},
+        14,
+    ),
+    "epoch_end_before_on_epoch_end": ({"mode": "sigkill", "step": 14, "ranks": [1], "save_freq": 7}, 14),
+    "save_after_manifest": ({"crash_point": "after_manifest", "crash_step": 12}, 8),
+    "save_after_pointer": ({"crash_point": "after_pointer", "crash_step": 12}, 12),
+}
+
+
+@pytest.mark.parametrize("point", list(R2_POINTS))
+def test_r2_kill_points(tmp_path, uninterrupted, point):
+    chaos, restored = R2_POINTS[point]
+    run = _launch(tmp_path, chaos)
+    assert len(run.events("CHAOS")) == 1, run.log[-3000:]
+    assert run.restored(1) == restored
+    _assert_exact(run, uninterrupted)
+    figures = _recovery(run)
+    assert figures["attempts"] == 2
+
+
+def test_r5_a_rank_raises_the_group_restarts_and_finishes(tmp_path, uninterrupted):
+    run = _launch(tmp_path, {"mode": "raise", "step": 9, "ranks": [1]})
+    assert "RuntimeError: chaos: rank 1 fails at step 9" in run.log
+    assert "restarting (attempt 2 of 2) after rank 1 exited with code 1" in run.log
+    _assert_exact(run, uninterrupted)
+    _recovery(run)
+
+
+def test_r5_when_restarts_run_out_spread_run_exits_with_the_failing_ranks_code(tmp_path):
+    run = _launch(tmp_path, {"mode": "raise", "step": 3, "ranks": [1]}, max_restarts=0)
+    assert run.code == 1, run.log[-3000:]
+    assert "rank 1 exited with code 1; stopped the other 1 process(es)" in run.log
+    job_ended_after = run.ended - run.events("CHAOS")[0]["t"]  # the others stopped and reaped too
+    print("FIGURES", json.dumps({"exit": run.code, "raise_to_job_end_s": round(job_ended_after, 2)}))
+
+
+def test_r6_a_rank_that_dies_on_every_attempt_gives_up_after_max_restarts_plus_one(tmp_path):
+    run = _launch(
+        tmp_path, {"mode": "sigkill", "step": 2, "ranks": [1], "every_attempt": True}, max_restarts=2
+    )
+    assert run.code == 137, run.log[-3000:]
+    assert [e["attempt"] for e in run.events("CHAOS")] == [0, 1, 2] and run.attempts() == 3
+    assert run.log.count("restarting (attempt") == 2
+    assert (
+        "gave up after 3 attempts; the last failure: rank 1 exited with code 137 (killed by SIGKILL)"
+        in run.log
+    )
+    print(
+        "FIGURES", json.dumps({"attempts": run.attempts(), "exit": run.code, "wall_s": round(run.seconds, 1)})
+    )
+
+
+def test_r7_all_ranks_die_at_once_is_one_failure_per_attempt_and_no_orphans(tmp_path):
+    run = _launch(
+        tmp_path, {"mode": "sigkill", "step": 3, "ranks": [0, 1], "every_attempt": True}, max_restarts=1
+    )
+    assert run.code == 137, run.log[-3000:]
+    assert run.attempts() == 2
+    # Both ranks kill themselves at step 3; one may be stopped by the launcher an instant before it does.
+    assert {e["attempt"] for e in run.events("CHAOS")} == {0, 1}
+    assert run.log.count("restarting (attempt") == 1  # one restart per attempt, not one per dead rank
+    assert "gave up after 2 attempts" in run.log
+    print(
+        "FIGURES", json.dumps({"attempts": run.attempts(), "exit": run.code, "wall_s": round(run.seconds, 1)})
+    )
+
+
+def test_s4_every_listener_during_default_training_is_on_loopback(uninterrupted):
+    listeners = {e["rank"]: json.loads(e["addrs"]) for e in uninterrupted.events("LISTEN")}
+    assert sorted(listeners) == [0, 1]
+    assert listeners[0], "rank 0 hosts the rendezvous store: it must be listening somewhere"
+    outside = [a for addrs in listeners.values() for a in addrs if not a.startswith(("127.", "::1:"))]
+    assert outside == []
+    print("FIGURES", json.dumps({"listeners": listeners, "non_loopback": len(outside)}))
+
+
+def test_s6_the_job_token_is_in_no_log_command_line_or_checkpoint(uninterrupted):
+    # _launch already searched this run (and every other run of this module); here: it looked somewhere.
+    assert uninterrupted.backup_dir.is_dir() and list(uninterrupted.backup_dir.rglob("state.pt"))
+    cmdlines = json.loads(next(uninterrupted.report_dir.glob("cmdlines-0-0.json")).read_text())
+    assert any("spread" in c for c in cmdlines) and any("chaos_train.py" in c for c in cmdlines)
+    assert uninterrupted.token() not in uninterrupted.log

@@ -220,15 +220,27 @@ def rendezvous(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     tcp = _open_store(spec, init_timeout)
     attempt_store = dist.PrefixStore(f"spread/{spec.restart_count}", tcp)
-    _check_token(attempt_store, spec, token, init_timeout)
-    namespace = hashlib.sha256(token.encode()).hexdigest()[:16]
-    job_store = dist.PrefixStore(namespace, attempt_store)
-    _announce_and_wait(job_store, spec, init_timeout)
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore("pg", job_store),
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=timedelta(seconds=collective_timeout),
-    )
+    phase = "the job-token handshake"
+    try:
+        _check_token(attempt_store, spec, token, init_timeout)
+        namespace = hashlib.sha256(token.encode()).hexdigest()[:16]
+        job_store = dist.PrefixStore(namespace, attempt_store)
+        phase = "the arrival check"
+        _announce_and_wait(job_store, spec, init_timeout)
+        phase = f"{backend} process-group setup"
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", job_store),
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=collective_timeout),
+        )
+    except RendezvousError:
+        raise
+    except (RuntimeError, dist.DistError) as exc:  # the store host (rank 0) or a peer went away
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousError(
+            f"rank {spec.rank}: rendezvous failed during {phase} with the store at "
+            f"{spec.master_addr}:{spec.master_port} (did rank 0 or another rank exit?): {detail}"
+        ) from exc
     return Rendezvous(spec=spec, store=job_store, backend=backend, _tcp_store=tcp)
