@@ -81,3 +81,21 @@ class CheckpointMismatchError(SpreadError, ValueError):
             f"; ... {len(problems) - 20} more" if len(problems) > 20 else ""
         )
         super().__init__(f"checkpoint {path} does not match the {what} it is loaded into: {listing}")
+
+
+class WireFormatError(SpreadError, ValueError):
+    """A parameter-server frame is malformed (bad dtype code, size or shape); it was not allocated."""
+
+
+class RemoteCallError(SpreadError):
+    """A call to another task's server failed; names the peer (role, index, address) and the operation."""
+
+    def __init__(self, peer: str, op: str, detail: str) -> None:
+        self.peer = peer
+        self.op = op
+        self.detail = detail
+        super().__init__(f"{peer}: {op} failed: {detail}")
+
+
+class ParameterServerError(RemoteCallError):
+    """A parameter server could not be reached or refused a call (it died, is overloaded, or differs)."""

@@ -11,6 +11,7 @@ from spread.strategies.context import ReplicaContext, get_replica_context, get_s
 from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from spread.strategies.one_device import OneDeviceStrategy
+from spread.strategies.parameter_server import ParameterServerStrategy
 from spread.strategies.registry import STRATEGIES, make_strategy
 from spread.values import PerReplica
 
@@ -20,6 +21,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReplicaContext",
     "Strategy",

@@ -9,11 +9,13 @@ from spread.strategies.central_storage import CentralStorageStrategy
 from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from spread.strategies.one_device import OneDeviceStrategy
+from spread.strategies.parameter_server import ParameterServerStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
+    "parameter_server": ParameterServerStrategy,
     "central_storage": CentralStorageStrategy,
 }
 

@@ -1,0 +1,21 @@
+"""The parameter-server runtime: wire format, transport, servers, placement, client, coordinator.
+
+One module per job: :mod:`wire` (tensor frames, never pickle), :mod:`transport` (framed TCP with a
+job-token handshake), :mod:`optimizers` (server-side SGD/Adagrad/Adam/AdamW), :mod:`placement`
+(which server holds which variable or row range), :mod:`server` (a parameter server),
+:mod:`client` (a worker's view of all servers), :mod:`coordinator` (TF-style ``ClusterCoordinator``).
+"""
+
+from spread.ps.client import PSClient
+from spread.ps.placement import Placement, Shard, VariableInfo, place
+from spread.ps.server import ParameterServer, serve
+
+__all__ = [
+    "PSClient",
+    "ParameterServer",
+    "Placement",
+    "Shard",
+    "VariableInfo",
+    "place",
+    "serve",
+]

@@ -1,0 +1,259 @@
+"""A worker's (or the chief's) view of all parameter servers: create, pull, push, by variable name.
+
+The client turns variable-level requests into per-server calls using a :class:`Placement` and runs
+the calls to different servers concurrently. Embedding tables are read and written by rows: a pull
+asks each server only for the requested rows of its shard, a push sends only those rows' gradients,
+so the bytes moved grow with the rows a batch touches, not with the table (``bytes_sent`` and
+``bytes_received`` count every byte on the wire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from spread.errors import ParameterServerError
+from spread.ps.placement import Placement
+from spread.ps.transport import Message, RpcClient
+from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES
+
+DEFAULT_TIMEOUT = 60.0
+_CREATE_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+class PSClient:
+    """Calls to every parameter server of a job.
+
+    Args:
+        addresses: ``host:port`` of each server, in task-index order.
+        token: the job token.
+        timeout: deadline of each call in seconds; a dead server is reported within it, named.
+    """
+
+    def __init__(self, addresses: list[str], *, token: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not addresses:
+            raise ValueError("a parameter-server job needs at least one server address")
+        self.timeout = timeout
+        self.clients = [
+            RpcClient(
+                address,
+                peer=f"parameter server {i} ({address})",
+                token=token,
+                timeout=timeout,
+                error_type=ParameterServerError,
+            )
+            for i, address in enumerate(addresses)
+        ]
+        self._pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="spread-ps-client")
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.clients)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.clients)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in self.clients)
+
+    def _each(self, calls: Mapping[int, Callable[[RpcClient], Message]]) -> dict[int, Message]:
+        """Run one call per server concurrently; wait for all; raise the first failure (by server)."""
+        if len(calls) == 1:
+            ((server, fn),) = calls.items()
+            return {server: fn(self.clients[server])}
+        futures = {s: self._pool.submit(fn, self.clients[s]) for s, fn in calls.items()}
+        results, first_error = {}, None
+        for server in sorted(futures):
+            try:
+                results[server] = futures[server].result()
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def create(
+        self,
+        placement: Placement,
+        values: Mapping[str, torch.Tensor],
+        config: Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        extra: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        wait_for_ready: bool = True,
+    ) -> None:
+        """Send each server its shards' initial values and the job's settings (the chief does this)."""
+        batches: dict[int, list[dict[str, torch.Tensor]]] = {s: [{}] for s in range(self.num_servers)}
+        sizes = dict.fromkeys(range(self.num_servers), 0)
+        for name, shards in placement.shards.items():
+            value = values[name].detach()
+            for shard in shards:
+                part = value if len(shards) == 1 else value[shard.row_start : shard.row_stop]
+                nbytes = part.numel() * part.element_size()
+                if sizes[shard.server] and sizes[shard.server] + nbytes > _CREATE_CHUNK_BYTES:
+                    batches[shard.server].append({})
+                    sizes[shard.server] = 0
+                batches[shard.server][-1][shard.key] = part.cpu()
+                sizes[shard.server] += nbytes
+        for server, tensors in (extra or {}).items():
+            batches[server][-1].update(tensors)
+
+        def send(server: int) -> Callable[[RpcClient], Message]:
+            def run(client: RpcClient) -> Message:
+                for i, tensors in enumerate(batches[server]):
+                    meta = {"config": dict(config) if i == 0 else {}, "overwrite": overwrite}
+                    client.call("create", meta, tensors, wait_for_ready=wait_for_ready)
+                return {}, {}
+
+            return run
+
+        self._each({s: send(s) for s in range(self.num_servers)})
+
+    # -- dense and row reads -----------------------------------------------------------------------
+    def pull(self, placement: Placement, names: list[str], *, wait: float = 0.0) -> dict[str, torch.Tensor]:
+        """Current values of whole variables (dense ones; row shards are concatenated)."""
+        per_server: dict[int, list[str]] = {}
+        for name in names:
+            for shard in placement.shards[name]:
+                per_server.setdefault(shard.server, []).append(shard.key)
+        answers = self._each(
+            {
+                s: (
+                    lambda c, keys=keys: c.call(
+                        "pull",
+                        {"names": keys, "wait": wait},
+                        timeout=self.timeout + wait,
+                        wait_for_ready=wait > 0,
+                    )
+                )
+                for s, keys in per_server.items()
+            }
+        )
+        by_key = {k: v for _, tensors in answers.values() for k, v in tensors.items()}
+        return {
+            name: torch.cat([by_key[s.key] for s in placement.shards[name]])
+            if len(placement.shards[name]) > 1
+            else by_key[placement.shards[name][0].key]
+            for name in names
+        }
+
+    def split_rows(
+        self, placement: Placement, name: str, ids: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor]]:
+        """For sorted unique global row ids: (shard index, positions in ``ids``) per touched shard."""
+        shards = placement.shards[name]
+        if len(shards) == 1:
+            return [(0, torch.arange(ids.numel()))]
+        which = torch.bucketize(ids, placement.row_boundaries(name), right=True)
+        return [(i, (which == i).nonzero().flatten()) for i in range(len(shards)) if bool((which == i).any())]
+
+    def pull_rows(self, placement: Placement, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (sorted, unique, int64) of table ``name``, from the servers holding them."""
+        shards = placement.shards[name]
+        groups = self.split_rows(placement, name, ids)
+        calls = {}
+        for i, positions in groups:
+            shard = shards[i]
+            local = ids[positions] - shard.row_start
+            calls[shard.server] = lambda c, key=shard.key, local=local: c.call(
+                "pull", {"names": [key]}, {f"{key}:rows": local}
+            )
+        answers = self._each(calls) if calls else {}
+        out = None
+        for i, positions in groups:
+            values = answers[shards[i].server][1][shards[i].key]
+            if out is None:
+                out = values.new_empty((ids.numel(), *values.shape[1:]))
+            out[positions] = values
+        if out is None:
+            raise ValueError(f"no rows requested from {name!r}")
+        return out
+
+    # -- updates -----------------------------------------------------------------------------------
+    def push(
+        self,
+        placement: Placement,
+        *,
+        step_id: str,
+        worker: int,
+        step: int,
+        optimizer: Mapping[str, Any],
+        dense: Mapping[str, torch.Tensor],
+        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        pull: list[str],
+        wait: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Send one step's gradients to every server (all of them take part, even with nothing to add,
+        so sync mode can count workers) and return the fresh values of the dense variables ``pull``."""
+        metas: dict[int, dict[str, Any]] = {
+            s: {
+                "step_id": step_id,
+                "worker": worker,
+                "step": step,
+                "optimizer": dict(optimizer),
+                "dense": [],
+                "sparse": [],
+                "pull": [],
+                **({"wait": wait} if wait is not None else {}),
+            }
+            for s in range(self.num_servers)
+        }
+        tensors: dict[int, dict[str, torch.Tensor]] = {s: {} for s in range(self.num_servers)}
+        for name, grad in dense.items():
+            for shard in placement.shards[name]:
+                metas[shard.server]["dense"].append(shard.key)
+                tensors[shard.server][shard.key] = grad
+        for name, (ids, values) in sparse.items():
+            shards = placement.shards[name]
+            for i, positions in self.split_rows(placement, name, ids):
+                shard = shards[i]
+                metas[shard.server]["sparse"].append(shard.key)
+                tensors[shard.server][f"{shard.key}:rows"] = ids[positions] - shard.row_start
+                tensors[shard.server][f"{shard.key}:values"] = values[positions]
+        for name in pull:
+            for shard in placement.shards[name]:
+                metas[shard.server]["pull"].append(shard.key)
+        budget = self.timeout + (wait or 0.0)
+        answers = self._each(
+            {
+                s: (lambda c, s=s: c.call("push", metas[s], tensors[s], timeout=budget))
+                for s in range(self.num_servers)
+            }
+        )
+        by_key = {k: v for _, t in answers.values() for k, v in t.items()}
+        return {name: by_key[placement.shards[name][0].key] for name in pull}
+
+    # -- control -----------------------------------------------------------------------------------
+    def stats(self, *, ids: bool = False) -> list[dict[str, Any]]:
+        answers = self._each({s: (lambda c: c.call("stats", {"ids": ids})) for s in range(self.num_servers)})
+        return [answers[s][0] for s in range(self.num_servers)]
+
+    def done(self, worker: int) -> list[list[int]]:
+        """Tell every server that training worker ``worker`` finished; returns each server's done list."""
+        answers = self._each(
+            {s: (lambda c: c.call("done", {"worker": worker})) for s in range(self.num_servers)}
+        )
+        return [answers[s][0]["done"] for s in range(self.num_servers)]
+
+    def stop(self) -> None:
+        """Ask every server to stop serving (the chief does this at the end of the job)."""
+        self._each({s: (lambda c: c.call("stop")) for s in range(self.num_servers)})
+
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every server's shards and optimizer state (for checkpoints), by server index."""
+        answers = self._each({s: (lambda c: c.call("state")) for s in range(self.num_servers)})
+        return {s: answers[s][1] for s in range(self.num_servers)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self.clients:
+            client.close()
+
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "DEFAULT_TIMEOUT", "PSClient"]

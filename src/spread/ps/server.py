@@ -1,0 +1,318 @@
+"""A parameter server: holds shards, applies the optimizer to them, answers pulls, counts updates.
+
+Contract with the clients (:mod:`spread.ps.client`):
+
+* ``create``: the chief sends the job's settings (mode, number of training workers, staleness bound,
+  optimizer spec) and the initial value of each shard; creating a shard that exists is a no-op
+  unless ``overwrite`` (a restore).
+* ``push``: a step's gradients (dense shards whole, embedding shards as ``rows`` + ``values``) under a
+  step id. **Exactly once:** a step id already applied is counted as a duplicate and ignored, so a
+  step retried after a lost answer, or rescheduled after its worker died, is never applied twice.
+  The answer carries the fresh values of the shards named in ``pull`` (one round trip per step).
+* ``mode="sync"``: each training worker pushes its share of step ``t`` (already weighted by its
+  sample count); the server sums them in worker order once all arrived, applies one update, and
+  only then answers the pushes. ``max_staleness=k`` (async): a push from a worker more than ``k``
+  steps ahead of the slowest unfinished worker is answered only when that worker catches up.
+* Every wait has a deadline and fails naming the workers it waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from spread.ps.optimizers import ServerOptimizer
+from spread.ps.transport import RequestRefused, RpcServer
+from spread.ps.wire import Tensors
+
+MODES = ("async", "sync")
+DEFAULT_WAIT = 300.0
+
+
+class ParameterServer:
+    """One server task. Start with :meth:`start`; :meth:`serve_until_stopped` blocks for the ``ps`` role."""
+
+    def __init__(self, index: int, *, token: str, address: str | None = None) -> None:
+        self.index = index
+        self.name = f"parameter server {index}"
+        self.variables: dict[str, torch.Tensor] = {}
+        self.optimizer: ServerOptimizer | None = None
+        self.mode = "async"
+        self.num_workers = 1
+        self.max_staleness: int | None = None
+        self.version = 0  # updates applied (sync: steps applied)
+        self.applied = 0
+        self.duplicates = 0
+        self.applied_ids: set[str] = set()
+        self._pending: dict[int, dict[int, tuple[dict, Tensors]]] = {}
+        self._clocks: dict[int, int] = {}
+        self._done: set[int] = set()
+        self._cond = threading.Condition()
+        self._stop_requested = threading.Event()
+        self.rpc = RpcServer(
+            self.name,
+            {
+                "create": self._create,
+                "pull": self._pull,
+                "push": self._push,
+                "stats": self._stats,
+                "done": self._worker_done,
+                "stop": self._stop,
+                "state": self._state,
+            },
+            token=token,
+            address=address,
+        )
+        self.address = self.rpc.address
+
+    def start(self) -> ParameterServer:
+        self.rpc.start()
+        return self
+
+    def serve_until_stopped(self) -> None:
+        """Serve until a client calls ``stop`` (the chief, at the end of training)."""
+        self._stop_requested.wait()
+        time.sleep(0.05)  # let the stop call's answer leave before connections close
+        self.rpc.stop()
+
+    def stop(self) -> None:
+        self._stop_requested.set()
+        self.rpc.stop()
+
+    # -- handlers ----------------------------------------------------------------------------------
+    def _create(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        config = meta.get("config") or {}
+        with self._cond:
+            if config:
+                mode = config.get("mode", "async")
+                if mode not in MODES:
+                    raise RequestRefused(f"mode must be one of {MODES}, got {mode!r}")
+                self.mode = mode
+                self.num_workers = int(config.get("num_workers", 1))
+                staleness = config.get("max_staleness")
+                self.max_staleness = None if staleness is None else int(staleness)
+                if config.get("optimizer") and self.optimizer is None:
+                    self.optimizer = ServerOptimizer(config["optimizer"])
+            created = []
+            for key, value in tensors.items():
+                if key.startswith("opt:"):
+                    continue
+                if key not in self.variables or meta.get("overwrite"):
+                    self.variables[key] = value.clone()
+                    created.append(key)
+            if meta.get("overwrite"):
+                self._load_optimizer_state(tensors)
+            self._cond.notify_all()
+        return {"created": created}, {}
+
+    def _load_optimizer_state(self, tensors: Tensors) -> None:
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("opt:"):
+                shard, slot = key[4:].rsplit(":", 1)
+                slots.setdefault(shard, {})[slot] = value.clone()
+        if slots and self.optimizer is not None:
+            for shard, state in slots.items():
+                self.optimizer.load_state_tensors(shard, state)
+
+    def _wait_for_variables(self, names: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while missing := [n for n in names if n not in self.variables]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestRefused(f"variables {missing[:5]} were not created within {timeout:g}s (chief?)")
+            self._cond.wait(remaining)
+
+    def _read(self, names: list[str], tensors: Tensors) -> Tensors:
+        out: Tensors = {}
+        for name in names:
+            var = self.variables.get(name)
+            if var is None:
+                raise RequestRefused(f"unknown variable {name!r}")
+            rows = tensors.get(f"{name}:rows")
+            if rows is None:
+                out[name] = var.clone()
+            else:
+                self._check_rows(name, rows, var)
+                out[name] = var[rows]
+        return out
+
+    def _pull(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        names = list(meta.get("names", []))
+        with self._cond:
+            self._wait_for_variables(names, float(meta.get("wait", 0.0)))
+            return {"version": self.version}, self._read(names, tensors)
+
+    @staticmethod
+    def _check_rows(name: str, rows: torch.Tensor, var: torch.Tensor) -> None:
+        if rows.dtype != torch.int64 or rows.dim() != 1:
+            raise RequestRefused(f"rows of {name!r} must be a 1-D int64 tensor")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= var.shape[0]):
+            raise RequestRefused(f"rows of {name!r} out of range [0, {var.shape[0]})")
+
+    def _check_push(self, meta: dict[str, Any], tensors: Tensors) -> None:
+        if self.optimizer is None:
+            spec = meta.get("optimizer")
+            if not spec:
+                raise RequestRefused("no optimizer configured; the first push must carry its spec")
+            self.optimizer = ServerOptimizer(spec)
+        elif meta.get("optimizer"):
+            try:
+                self.optimizer.check_same_kind(meta["optimizer"])
+            except ValueError as exc:
+                raise RequestRefused(str(exc)) from None
+        for key in meta.get("dense", []):
+            var, grad = self.variables.get(key), tensors.get(key)
+            if var is None or grad is None or grad.shape != var.shape:
+                raise RequestRefused(f"dense gradient for {key!r} missing or of the wrong shape")
+        for key in meta.get("sparse", []):
+            var, rows, values = (
+                self.variables.get(key),
+                tensors.get(f"{key}:rows"),
+                tensors.get(f"{key}:values"),
+            )
+            if var is None or rows is None or values is None:
+                raise RequestRefused(f"sparse gradient for {key!r} incomplete")
+            self._check_rows(key, rows, var)
+            if values.shape != (rows.numel(), *var.shape[1:]):
+                raise RequestRefused(f"sparse values for {key!r} have shape {tuple(values.shape)}")
+
+    def _apply(self, meta: dict[str, Any], tensors: Tensors) -> None:
+        hyper = meta.get("optimizer") or self.optimizer.spec  # type: ignore[union-attr]
+        opt = self.optimizer
+        assert opt is not None
+        for key in meta.get("dense", []):
+            opt.apply_dense(key, self.variables[key], tensors[key].to(self.variables[key].dtype), hyper)
+        for key in meta.get("sparse", []):
+            rows, values = tensors[f"{key}:rows"], tensors[f"{key}:values"]
+            if rows.numel():
+                opt.apply_rows(key, self.variables[key], rows, values.to(self.variables[key].dtype), hyper)
+        self.version += 1
+        self.applied += 1
+
+    def _push(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        step_id = str(meta.get("step_id", ""))
+        worker, step = int(meta.get("worker", 0)), int(meta.get("step", 0))
+        wait = float(meta.get("wait", DEFAULT_WAIT))
+        with self._cond:
+            self._check_push(meta, tensors)
+            if self.mode == "sync":
+                self._push_sync(meta, tensors, worker, step, wait)
+            else:
+                if step_id in self.applied_ids:
+                    self.duplicates += 1
+                else:
+                    self._apply(meta, tensors)
+                    self.applied_ids.add(step_id)
+                self._clocks[worker] = max(self._clocks.get(worker, 0), step + 1)
+                self._cond.notify_all()
+                if self.max_staleness is not None:
+                    self._wait_for_stragglers(worker, step + 1, wait)
+            return {"version": self.version}, self._read(list(meta.get("pull", [])), {})
+
+    def _push_sync(self, meta: dict, tensors: Tensors, worker: int, step: int, wait: float) -> None:
+        if step < self.version:
+            self.duplicates += 1  # this step was applied already (a retried push)
+            return
+        contributions = self._pending.setdefault(step, {})
+        if worker in contributions:
+            self.duplicates += 1
+        else:
+            contributions[worker] = (meta, {k: v.clone() for k, v in tensors.items()})
+        if len(contributions) == self.num_workers and step == self.version:
+            self._apply_sync(step)
+        deadline = time.monotonic() + wait
+        while self.version <= step:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.num_workers)) - set(self._pending.get(step, {})))
+                raise RequestRefused(
+                    f"sync step {step}: waited {wait:g}s for the gradients of worker(s) {missing}"
+                )
+            self._cond.wait(remaining)
+
+    def _apply_sync(self, step: int) -> None:
+        contributions = self._pending.pop(step)
+        ordered = [contributions[w] for w in sorted(contributions)]
+        meta0 = dict(ordered[0][0])
+        summed: Tensors = {}
+        dense = sorted({k for m, _ in ordered for k in m.get("dense", [])})
+        for key in dense:
+            parts = [t[key] for m, t in ordered if key in m.get("dense", [])]
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total.add_(p)
+            summed[key] = total
+        sparse = sorted({k for m, _ in ordered for k in m.get("sparse", [])})
+        for key in sparse:
+            rows = torch.cat([t[f"{key}:rows"] for m, t in ordered if key in m.get("sparse", [])])
+            values = torch.cat([t[f"{key}:values"] for m, t in ordered if key in m.get("sparse", [])])
+            unique, inverse = torch.unique(rows, return_inverse=True)
+            total = values.new_zeros((unique.numel(), *values.shape[1:]))
+            total.index_add_(0, inverse, values)
+            summed[f"{key}:rows"], summed[f"{key}:values"] = unique, total
+        meta0["dense"], meta0["sparse"] = dense, sparse
+        self._apply(meta0, summed)
+        self.applied_ids.add(f"sync:{step}")
+        self._cond.notify_all()
+        if self.version in self._pending and len(self._pending[self.version]) == self.num_workers:
+            self._apply_sync(self.version)
+
+    def _wait_for_stragglers(self, worker: int, clock: int, wait: float) -> None:
+        bound = clock - int(self.max_staleness or 0)
+        deadline = time.monotonic() + wait
+
+        def slow() -> list[int]:
+            active = [w for w in range(self.num_workers) if w not in self._done and w != worker]
+            return [w for w in active if self._clocks.get(w, 0) < bound]
+
+        while lagging := slow():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestRefused(
+                    f"max_staleness={self.max_staleness}: worker {worker} at step {clock} waited {wait:g}s "
+                    f"for worker(s) {lagging}"
+                )
+            self._cond.wait(remaining)
+
+    def _stats(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        with self._cond:
+            out: dict[str, Any] = {
+                "applied": self.applied,
+                "duplicates": self.duplicates,
+                "version": self.version,
+                "done": sorted(self._done),
+                "variables": sorted(self.variables),
+            }
+            if meta.get("ids"):
+                out["applied_ids"] = sorted(self.applied_ids)
+        return out, {}
+
+    def _worker_done(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        with self._cond:
+            self._done.add(int(meta["worker"]))
+            self._cond.notify_all()
+            return {"done": sorted(self._done)}, {}
+
+    def _stop(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        self._stop_requested.set()
+        return {"stopping": True}, {}
+
+    def _state(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+        """Every shard and its optimizer state, for a checkpoint."""
+        with self._cond:
+            out = {key: var.clone() for key, var in self.variables.items()}
+            if self.optimizer is not None:
+                for key in self.variables:
+                    for slot, value in self.optimizer.state_tensors(key).items():
+                        out[f"opt:{key}:{slot}"] = value.clone()
+            return {"version": self.version}, out
+
+
+def serve(index: int, *, token: str, address: str) -> None:
+    """Run parameter server ``index`` at ``address`` until the chief says stop (the ``ps`` role's main)."""
+    server = ParameterServer(index, token=token, address=address).start()
+    server.serve_until_stopped()

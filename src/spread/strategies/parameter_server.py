@@ -1,0 +1,357 @@
+"""ParameterServerStrategy: variables live on parameter servers; workers pull, compute, push.
+
+Roles come from the cluster spec (``TF_CONFIG`` or ``spread run --workers W --ps P``):
+
+* ``ps``: constructing the strategy serves this task's shards until the chief says stop, then
+  exits the process (``SystemExit(0)``): a parameter server never runs the rest of the script.
+* ``chief`` and ``worker`` (the training tasks, ranks ``0..W-1``): variables created in ``scope()``
+  are placed on the servers (dense ones whole, balanced by size; embedding tables split by rows);
+  the chief sends their initial values, everyone starts from the servers' values.
+* ``evaluator``: reads the variables, never pushes.
+
+The optimizer runs on the servers. A training step is the usual ``zero_grad``; ``strategy.run``
+(forward and backward); ``optimizer.step()``: under this strategy ``optimizer.step()`` pushes the
+gradients (with a step id: servers apply each step id exactly once), receives the fresh variables in
+the same round trip, and leaves nothing for the local optimizer to do. An ``nn.Embedding`` created in
+the scope pulls only the rows each batch looks up, and pushes only their gradients.
+
+Modes: ``"async"`` (default) applies each worker's push on arrival; ``"sync"`` waits for every
+training worker's share of step ``t`` (weighted by its sample count) and applies one update, the same
+as one device on the global batch; ``max_staleness=k`` (async) holds back a worker that is more than
+``k`` steps ahead of the slowest unfinished one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from spread.cluster import ClusterSpec, resolve_cluster
+from spread.data import ReplicaLayout
+from spread.errors import ParameterServerError, SpreadError
+from spread.ps.client import DEFAULT_TIMEOUT, PSClient
+from spread.ps.optimizers import spec_from_torch
+from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
+from spread.ps.server import serve
+from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.values import PerReplica
+
+MODES = ("async", "sync")
+TOKEN_ENV = "SPREAD_JOB_TOKEN"
+_DEFAULT_TOKEN = "spread-default-job-token"
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous (or synchronous) training against sharded parameter servers.
+
+    Args:
+        mode: ``"async"`` or ``"sync"``.
+        max_staleness: with ``"async"``, the most steps a worker may run ahead of the slowest one.
+        cluster: the cluster spec; default: resolved from the environment. Must list ``ps`` tasks.
+        min_shard_bytes: embedding tables larger than this are split by rows over the servers.
+        timeout: seconds for one call to a server; a dead server is reported, named, within it.
+        init_timeout: seconds to wait for the servers and the chief's variables at start-up.
+        shutdown_timeout: seconds the chief waits, when closing, for the workers to finish.
+    """
+
+    def __init__(
+        self,
+        mode: str = "async",
+        *,
+        max_staleness: int | None = None,
+        cluster: ClusterSpec | None = None,
+        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+        init_timeout: float = 120.0,
+        shutdown_timeout: float = 600.0,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an integer >= 0, got {max_staleness!r}")
+        if max_staleness is not None and mode == "sync":
+            raise ValueError("max_staleness applies to mode='async' only (sync mode has no staleness)")
+        if min_shard_bytes < 1:
+            raise ValueError(f"min_shard_bytes must be >= 1, got {min_shard_bytes!r}")
+        self.mode = mode
+        self.max_staleness = max_staleness
+        self.min_shard_bytes = min_shard_bytes
+        self.init_timeout = init_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.cluster = cluster if cluster is not None else resolve_cluster()
+        servers = tuple(self.cluster.cluster.get("ps", ()))
+        if not servers:
+            raise SpreadError(
+                "ParameterServerStrategy needs parameter-server tasks: start the job with "
+                "`spread run --workers W --ps P script.py`, or list 'ps' tasks in TF_CONFIG"
+            )
+        token = os.environ.get(TOKEN_ENV, _DEFAULT_TOKEN)
+        if self.cluster.role == "ps":
+            serve(self.cluster.task_index, token=token, address=servers[self.cluster.task_index])
+            raise SystemExit(0)
+        if torch.cuda.is_available() and self.cluster.rank >= 0:
+            torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        self.client = PSClient(list(servers), token=token, timeout=timeout)
+        self.placement = Placement({}, len(servers))
+        self._variables: dict[str, nn.Parameter] = {}
+        self._names: dict[int, str] = {}
+        self._embedding_modules: dict[int, nn.Module] = {}
+        self._hooks: list[Any] = []
+        self._touched: dict[str, list[torch.Tensor]] = {}
+        self._session = secrets.token_hex(4)
+        self.local_step = 0
+        self.task_step_id: str | None = None  # set by the coordinator around a scheduled task
+        self.wait_for_workers_on_close = True
+        self._weight = 1.0
+        self._step_hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+        atexit.register(self.close)
+
+    # -- topology ----------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.cluster.world_size if self.mode == "sync" else 1
+
+    @property
+    def num_workers(self) -> int:
+        """Training tasks (chief and workers) that push to the servers."""
+        return self.cluster.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return self.cluster.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster.rank == 0
+
+    @property
+    def _layout(self) -> ReplicaLayout:
+        if self.cluster.rank < 0:  # the evaluator reads everything
+            return ReplicaLayout(1, 0, 1)
+        world, rank = self.cluster.world_size, self.cluster.rank
+        return ReplicaLayout(world, rank, 1, process_index=rank, num_processes=world)
+
+    # -- variables ---------------------------------------------------------------------------------
+    @contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """As :meth:`Strategy.scope`; embedding tables created inside are recognised for row access."""
+
+        def on_param(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if param is not None and name == "weight" and isinstance(module, nn.Embedding | nn.EmbeddingBag):
+                self._embedding_modules[id(param)] = module
+
+        handle = nn.modules.module.register_module_parameter_registration_hook(on_param)
+        try:
+            with super().scope() as strategy:
+                yield strategy
+        finally:
+            handle.remove()
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+                self._embedding_modules[id(module.weight)] = module
+        return super().prepare_model(model)
+
+    def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        infos = []
+        for param in params:
+            name = f"v{len(self._variables)}"
+            self._variables[name] = param
+            self._names[id(param)] = name
+            infos.append(
+                VariableInfo(name, tuple(param.shape), param.dtype, id(param) in self._embedding_modules)
+            )
+        new = place(infos, self.client.num_servers, min_shard_bytes=self.min_shard_bytes)
+        self.placement = Placement({**self.placement.shards, **new.shards}, self.client.num_servers)
+        if self.is_chief:
+            config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+            self.client.create(new, {i.name: self._variables[i.name] for i in infos}, config)
+        self._pull_dense([i.name for i in infos if not i.sparse], wait=self.init_timeout)
+        for info in infos:
+            if info.sparse:
+                module = self._embedding_modules[id(self._variables[info.name])]
+                self._hooks.append(module.register_forward_pre_hook(self._pull_rows_hook))
+
+    def _dense_names(self) -> list[str]:
+        return [n for n, p in self._variables.items() if id(p) not in self._embedding_modules]
+
+    def _pull_dense(self, names: list[str], *, wait: float = 0.0) -> None:
+        if not names:
+            return
+        values = self.client.pull(self.placement, names, wait=wait)
+        self._assign(values)
+
+    @torch.no_grad()
+    def _assign(self, values: dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            self._variables[name].copy_(value.view_as(self._variables[name]))
+
+    def pull(self) -> None:
+        """Refresh this process's copy of every dense variable from the servers (e.g. before evaluating)."""
+        self._pull_dense(self._dense_names())
+
+    def _pull_rows_hook(self, module: nn.Module, args: tuple) -> None:
+        ids = args[0] if args else None
+        if not isinstance(ids, torch.Tensor):
+            return
+        name = self._names[id(module.weight)]
+        unique = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64))
+        if unique.numel() == 0:
+            return
+        rows = self.client.pull_rows(self.placement, name, unique)
+        with torch.no_grad():
+            module.weight.index_copy_(0, unique.to(module.weight.device), rows.to(module.weight))
+        if torch.is_grad_enabled():
+            self._touched.setdefault(name, []).append(unique)
+
+    # -- the step: push gradients, receive fresh variables ------------------------------------------
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self._names]
+        if not params or self._closed:
+            return
+        if self.cluster.rank < 0:
+            raise SpreadError(f"the {self.cluster.role} task must not train (optimizer.step was called)")
+        spec = spec_from_torch(optimizer)
+        scale = self._weight if self.mode == "sync" else 1.0
+        dense: dict[str, torch.Tensor] = {}
+        sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for p in params:
+            name = self._names[id(p)]
+            grad = p.grad
+            if id(p) in self._embedding_modules:
+                touched = self._touched.pop(name, [])
+                if grad is None:
+                    continue
+                ids, values = _row_gradient(grad, touched)
+                sparse[name] = (ids, values.detach().to("cpu") * scale)
+            elif grad is not None:
+                dense[name] = grad.detach().to("cpu") * scale if scale != 1.0 else grad.detach()
+        step_id = self.task_step_id or f"w{self.rank}.{self._session}.{self.local_step}"
+        fresh = self.client.push(
+            self.placement,
+            step_id=step_id,
+            worker=self.rank,
+            step=self.local_step,
+            optimizer=spec,
+            dense=dense,
+            sparse=sparse,
+            pull=self._dense_names(),
+        )
+        self._assign(fresh)
+        self.local_step += 1
+        for p in params:
+            p.grad = None  # the servers applied the update; the local optimizer has nothing to do
+
+    # -- computation -------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run ``fn`` (forward and backward) on this worker's batch; call ``optimizer.step()`` after."""
+        if get_replica_context() is not None:
+            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
+        self._weight = self._replica_weights()[0] if self.mode == "sync" else 1.0
+        replica = max(self.rank, 0)
+        _set_replica_context(ReplicaContext(self, replica, self.num_replicas_in_sync, self._weight))
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            _set_replica_context(None)
+            self._step_info = None
+
+    def _replica_weights(self) -> list[float]:
+        info = self._step_info
+        if info is None or info.global_size <= 0:
+            return [1.0 / self.num_workers]
+        return [size / info.global_size for size in info.local_sizes]
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """This worker's value (workers do not wait for each other, so nothing is combined)."""
+        op = check_reduce_op(op)
+        tensor = _local_tensor(value, self.device)
+        if axis is None:
+            return tensor
+        return tensor.sum(dim=axis) if op == "sum" else tensor.mean(dim=axis)
+
+    def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
+        return _local_tensor(value, self.device)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def bytes_moved(self) -> int:
+        """Bytes this process sent to and received from the servers so far."""
+        return self.client.bytes_sent + self.client.bytes_received
+
+    def server_stats(self, *, ids: bool = False) -> list[dict[str, Any]]:
+        """Each server's counters: updates applied, duplicates ignored, version, finished workers."""
+        return self.client.stats(ids=ids)
+
+    def wait_for_workers(self, timeout: float | None = None) -> None:
+        """Mark this training task finished and wait until every training task has (then ``pull``)."""
+        if self.rank < 0:
+            return
+        budget = self.shutdown_timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        done = self.client.done(self.rank)
+        while not all(len(d) >= self.num_workers for d in done):
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.num_workers)) - set(done[0]))
+                raise SpreadError(f"rank {self.rank}: worker(s) {missing} did not finish within {budget:g}s")
+            time.sleep(0.1)
+            done = [s["done"] for s in self.client.stats()]
+        self.pull()
+
+    def close(self) -> None:
+        """Finish: tell the servers this task is done; the chief waits for the others, then stops them."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._step_hook.remove()
+        for hook in self._hooks:
+            hook.remove()
+        try:
+            if self.rank >= 0:
+                if self.is_chief and self.wait_for_workers_on_close:
+                    self.wait_for_workers()
+                elif not self.is_chief:
+                    self.client.done(self.rank)
+            if self.is_chief:
+                self.client.stop()
+        except ParameterServerError:
+            pass  # a server already gone cannot be stopped; nothing is left to clean
+        finally:
+            self.client.close()
+            super().close()
+
+
+def _row_gradient(grad: torch.Tensor, touched: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted unique row ids, their gradient rows) from a sparse or a dense embedding gradient."""
+    if grad.is_sparse:
+        g = grad.coalesce()
+        return g.indices()[0].to("cpu"), g.values()
+    ids = torch.unique(torch.cat(touched)) if touched else grad.new_zeros(0, dtype=torch.int64)
+    return ids, grad[ids.to(grad.device)]
+
+
+def _local_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, PerReplica):
+        (value,) = value.values
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value, device=device)
