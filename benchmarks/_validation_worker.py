@@ -1,0 +1,83 @@
+"""One measured configuration for ``plan_validation.py``: median step time of a workload under a strategy.
+
+Run as every rank of a job (``spread run -n N``) or as one process for in-process strategies. The
+loop is the custom-loop path users write: ``distribute_dataset``, ``strategy.run``, optimizer step.
+Rank 0 writes ``{"step_seconds": median, "steps": [...]}`` as JSON to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import block_workloads as workloads
+
+import spread
+
+
+def _strategy(args: argparse.Namespace) -> spread.Strategy:
+    if args.strategy == "one_device":
+        return spread.OneDeviceStrategy()
+    if args.strategy == "mirrored":
+        return spread.MirroredStrategy(num_replicas=args.replicas)
+    if args.strategy == "central_storage":
+        return spread.CentralStorageStrategy(num_replicas=args.replicas)
+    if args.strategy == "multi_worker_mirrored":
+        return spread.MultiWorkerMirroredStrategy(communication=args.communication)
+    raise SystemExit(f"validation worker: strategy {args.strategy!r} is not measured by this worker")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--communication", default="auto")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    strategy = _strategy(args)
+    try:
+        with strategy.scope():
+            model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(args.workload)
+            optimizer = make_optimizer(model.parameters())
+        x, y = make_batch(global_batch * (args.steps + args.warmup))
+        data = strategy.distribute_dataset((x, y), global_batch, shuffle=False, prefetch=2)
+
+        def replica_step(batch):
+            inputs, targets = batch
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            return loss.detach()
+
+        times = []
+        for i, batch in enumerate(data):
+            if i == args.warmup and hasattr(strategy, "collectives"):
+                strategy.collectives.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            strategy.run(replica_step, args=(batch,))
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        measured = times[args.warmup :]
+        if strategy.is_chief:
+            with open(args.output, "w") as f:
+                json.dump({"step_seconds": statistics.median(measured), "steps": measured}, f)
+    finally:
+        strategy.close()
+
+
+if __name__ == "__main__":
+    main()
