@@ -282,3 +282,37 @@ def test_dcp_metadata_outside_the_trust_boundary_is_refused(tmp_path, monkeypatc
         step, state = manager.load_latest(shards_like=_shards(0, 0))
     assert step == 1 and torch.equal(state["shards"]["counter"], torch.tensor([0, 1]))
     assert not (tmp_path / "PWNED").exists()
+
+
+def _sharded_save_where_the_chief_dies(directory: str) -> None:
+    from spread.cluster import resolve_cluster
+    from spread.cluster.rendezvous import rendezvous
+
+    rdzv = rendezvous(resolve_cluster())
+    try:
+        rank = rdzv.rank
+        manager = CheckpointManager(directory)
+        manager.save(1, {"step": 1}, shards=_shards(rank, 1))
+        if rank == 0:
+            os.environ["SPREAD_CHECKPOINT_CRASH_AT"] = "after_shard_write"
+        manager.save(2, {"step": 2}, shards=_shards(rank, 2))
+    finally:
+        rdzv.close()
+
+
+def test_chief_killed_during_a_sharded_save_others_fail_and_latest_still_loads(tmp_path):
+    from spread.testing import launch_ranks
+
+    results = launch_ranks(
+        _sharded_save_where_the_chief_dies, 2, args=(str(tmp_path),), collective_timeout=10, timeout=120
+    )
+    assert results[0].exitcode == -9, results[0].describe()
+    worker = results[1]
+    assert worker.error and worker.error.startswith(("PeerLostError", "CollectiveTimeout")), worker.describe()
+    assert "rank 1: checkpoint.commit" in worker.error
+    manager = CheckpointManager(tmp_path)
+    step, state = manager.load_latest(shards_like=_shards(0, 0))
+    assert step == 1 and torch.equal(state["shards"]["momentum"], _shards(0, 1)["momentum"])
+    assert list(tmp_path.glob(".tmp-*"))  # the half-written step 2 ...
+    manager.save(3, {"step": 3}, shards=_shards(0, 3))
+    assert not list(tmp_path.glob(".tmp-*"))  # ... is removed by the next save

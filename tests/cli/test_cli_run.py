@@ -52,7 +52,7 @@ def _wait_for_pids(directory: Path, count: int, proc: subprocess.Popen, timeout:
         texts = [f.read_text() for f in files]
         if len(files) == count and all(len(t.split()) == 2 for t in texts):
             return [int(pid) for t in texts for pid in t.split()]
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, proc.communicate(timeout=15)
         time.sleep(0.05)
     raise AssertionError("the ranks did not start in time")
 
@@ -190,7 +190,7 @@ def test_sigint_and_sigterm_stop_every_rank_and_helper(tmp_path: Path, signum: i
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.communicate(timeout=15)
     assert proc.returncode == expected, err
     assert elapsed < 10
     assert f"received {signal.Signals(signum).name}; stopped 2 process(es)" in err

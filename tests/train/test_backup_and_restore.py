@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import spread
+from spread.errors import CheckpointMismatchError
 from spread.train.callbacks import BackupAndRestore, Callback
 
 N, BATCH, EPOCHS = 100, 16, 3  # 7 steps per epoch, the last one uneven
@@ -69,6 +70,120 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, save_freq, 
 def test_bad_save_freq():
     with pytest.raises(ValueError, match="save_freq"):
         BackupAndRestore("x", save_freq=0)
+
+
+def _fit_where_rank_1_raises() -> float:
+    """R5 without a launcher: rank 1 raises at step 3; rank 0 must fail on its own, naming the op."""
+    import time
+
+    strategy = spread.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        raise_at = _RaiseOnRank(rank=1, at_step=3)
+        trainer = spread.Trainer(
+            model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=[raise_at]
+        )
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+        try:
+            trainer.fit((x, y), epochs=2, global_batch_size=BATCH, verbose=0)
+        except Exception as exc:
+            exc.add_note(f"DETECTED_AFTER_S={time.time() - raise_at.raised_at_file():.3f}")
+            raise
+        return 0.0
+    finally:
+        strategy.close()
+
+
+class _RaiseOnRank(Callback):
+    def __init__(self, rank: int, at_step: int) -> None:
+        super().__init__()
+        self.rank, self.at_step = rank, at_step
+        self.stamp = Path(os.environ["SPREAD_TEST_STAMP"])
+
+    def on_train_batch_end(self, step, logs=None):
+        if self.trainer.global_step == self.at_step and self.trainer.strategy.rank == self.rank:
+            self.stamp.write_text(repr(time.time()))
+            raise RuntimeError(f"rank {self.rank} fails at step {self.at_step}")
+
+    def raised_at_file(self) -> float:
+        deadline = time.time() + 5
+        while not self.stamp.exists() and time.time() < deadline:
+            time.sleep(0.01)
+        return float(self.stamp.read_text())
+
+
+def test_r5_without_a_launcher_the_other_rank_fails_within_the_collective_timeout(tmp_path):
+    from spread.testing import launch_ranks
+
+    results = launch_ranks(
+        _fit_where_rank_1_raises,
+        2,
+        env={"SPREAD_TEST_STAMP": str(tmp_path / "raised")},
+        collective_timeout=10,
+        fail_fast_grace=30,
+        timeout=120,
+    )
+    assert results[1].error == "RuntimeError: rank 1 fails at step 3", results[1].describe()
+    other = results[0]
+    assert other.error and other.error.startswith(("PeerLostError", "CollectiveTimeout")), other.describe()
+    assert other.error.startswith(("PeerLostError: rank 0: ", "CollectiveTimeout: rank 0: "))
+    detected = float(re.search(r"DETECTED_AFTER_S=([0-9.]+)", other.traceback).group(1))
+    assert detected < 10 + 15  # the collective timeout plus a margin for a loaded machine
+    print("FIGURES R5 detection", {"seconds": detected, "error": other.error[:160]})
+
+
+# -- C6: a backup restored into another model, optimizer or strategy ---------------------------------
+def _backup_once(backup_dir) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        _fit(backup_dir, extra=[_Interrupt(4)], save_freq=2)
+
+
+def _restore_into(backup_dir, model, optimizer, strategy, batch=BATCH):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+    trainer = spread.Trainer(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        strategy=strategy,
+        callbacks=[BackupAndRestore(str(backup_dir))],
+    )
+    trainer.fit((x, y), epochs=EPOCHS, global_batch_size=batch, verbose=0)
+
+
+def test_c6_a_backup_restored_into_another_model_lists_every_mismatched_key(tmp_path):
+    _backup_once(tmp_path)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3), nn.Softmax(-1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError) as info:
+        _restore_into(tmp_path, model, torch.optim.Adam(model.parameters(), lr=0.01), "one_device")
+    problems = info.value.problems
+    assert "'0.weight': saved (16, 8) float32, expected (32, 8) float32" in problems
+    assert "'3.weight': saved (3, 16) float32, expected (3, 32) float32" in problems
+    assert any("optimizer state 0.exp_avg" in p for p in problems)
+    assert "ckpt-0000000004" in str(info.value) and "model, optimizer and strategy" in str(info.value)
+    for k, v in model.state_dict().items():  # refused before anything was overwritten
+        assert torch.equal(v, before[k]), k
+
+
+def test_c6_a_backup_restored_under_another_strategy_or_batch_lists_every_field(tmp_path):
+    _backup_once(tmp_path)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    strategy = spread.MirroredStrategy(num_replicas=2)
+    with pytest.raises(CheckpointMismatchError) as info:
+        _restore_into(tmp_path, model, optimizer, strategy, batch=2 * BATCH)
+    assert info.value.problems == [
+        "strategy: saved 'OneDeviceStrategy', now 'MirroredStrategy'",
+        "num_replicas_in_sync: saved 1, now 2",
+        f"global_batch_size: saved {BATCH}, now {2 * BATCH}",
+        "optimizer: saved 'Adam', now 'SGD'",
+    ]
+    print("FIGURES C6", info.value)
 
 
 CHAOS_SCRIPT = r"""
