@@ -35,6 +35,7 @@ class ClusterModel:
     memory_per_device: float = math.inf  # bytes
     intra: dict[str, Link] = field(default_factory=lambda: dict(DEFAULT_INTRA))
     inter: Link = DEFAULT_INTER
+    inter_by_algorithm: dict[str, Link] = field(default_factory=dict)  # measured per algorithm, if any
     compute_scale: float = 1.0  # a device's speed relative to where the model was profiled
     overlap: float = 1.0  # how much of communication runs concurrently with backward (0..1)
     server_apply_bytes_per_s: float = 4e9  # a parameter server applying an update (memory bound)
@@ -76,7 +77,7 @@ class ClusterModel:
         """The link a flat algorithm runs on: the node's own when on one node, else the network."""
         if self.nodes == 1:
             return self.intra[algorithm]
-        return self.inter
+        return self.inter_by_algorithm.get(algorithm, self.inter)
 
     @classmethod
     def from_profile(
