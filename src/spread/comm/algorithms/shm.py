@@ -21,10 +21,14 @@ and the next call's step 1 nobody writes another rank's copy, so the owner may r
 **Other buffers** go through a per-rank staging slot of ``chunk_bytes`` (default 8 MiB) in the
 same way, with a copy in before step 1 and a copy out after step 3, chunk by chunk.
 
-**Barriers** spin on one int64 counter per rank (64 bytes apart) for a few microseconds, then yield
-the core, then sleep in growing steps, and raise :class:`~spread.errors.CollectiveTimeout` at the
-collective deadline naming the ranks that did not arrive. They rely on stores becoming visible in
-program order (x86-64's memory model), so ``shm`` refuses other CPU architectures.
+**Barriers** are one-byte datagrams over Unix sockets in Linux's abstract namespace (named after a
+random token, so nothing appears in the file system): a rank sends its rank number to every peer,
+then blocks until every peer's message for this barrier arrived (a peer can be at most one barrier
+ahead, so the count per peer says which barrier a message belongs to). A blocked rank sleeps in the
+kernel instead of spinning, so on a busy machine it gives its core away and wakes within
+microseconds; the system calls also order the memory writes before them, on any CPU. A barrier
+raises :class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks that
+did not arrive. Linux only (abstract sockets, ``/dev/shm``).
 
 **Asynchronous calls** (``all_reduce_async``) are deferred: the sum runs, in call order, when its
 ``wait()`` (or any later call) needs it, on the caller's thread. With one rank per core there is no
@@ -43,10 +47,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import platform
 import secrets
 import socket
-import time
+import sys
 
 import torch
 
@@ -63,9 +66,7 @@ from spread.errors import CollectiveTimeout
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 PIECE_BYTES = 256 << 10  # summed and copied out while it is still in the core's cache
-_COUNTER_STRIDE = 8  # int64 slots: one counter per 64-byte cache line
 _ALIGN = 4096  # each rank's copy starts on its own page
-_SPIN = 2000  # counter reads before the first yield (a few microseconds)
 
 
 def same_host(collectives: Collectives) -> bool:
@@ -81,8 +82,8 @@ def same_host(collectives: Collectives) -> bool:
 
 
 def shm_supported() -> bool:
-    """Whether this CPU orders stores the way the barriers need (x86-64)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    """Whether this system has what ``shm`` uses (Linux: abstract Unix sockets, shared files)."""
+    return sys.platform.startswith("linux")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -131,10 +132,7 @@ class ShmAllReduce(AllReduceAlgorithm):
         if chunk_bytes < 64:
             raise ValueError(f"chunk_bytes must be at least 64, got {chunk_bytes!r}")
         if not shm_supported():
-            raise ValueError(
-                f"communication 'shm' relies on x86-64 store ordering; this CPU is {platform.machine()}. "
-                "Use 'native'"
-            )
+            raise ValueError(f"communication 'shm' needs Linux; this system is {sys.platform}. Use 'native'")
         if not same_host(collectives):
             raise ValueError(
                 "communication 'shm' needs every rank on one machine, but the ranks run on different "
@@ -146,23 +144,40 @@ class ShmAllReduce(AllReduceAlgorithm):
         self._segments: list[_Segment] = []  # [0]: the staging slots; then registered buffers
         self._peer_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._deferred: list[tuple[torch.Tensor, int]] = []
-        self._counters: memoryview | None = None
-        self._control: mmap.mmap | None = None
+        self._socket: socket.socket | None = None
+        self._arrived = [0] * self.world_size  # barrier messages received from each rank
         if self.world_size > 1:
-            n = self.world_size
-            self._control = self._map(n * _COUNTER_STRIDE * 8, "shm.control")
-            self._counters = memoryview(self._control).cast("q")
+            self._connect()
             self._staging = self._new_segment(self.chunk_bytes)
 
-    # -- shared segments ---------------------------------------------------------------------------
-    def _map(self, size: int, what: str) -> mmap.mmap:
-        """Create (first rank) and map (every rank) a zero-filled shared file of ``size`` bytes."""
+    # -- signalling -------------------------------------------------------------------------------
+    def _token(self, what: str) -> str:
         token = torch.zeros(16, dtype=torch.uint8, device=self.collectives.device)
         if self.rank == 0:
             token.copy_(torch.tensor(list(secrets.token_bytes(16)), dtype=torch.uint8))
         self.collectives.broadcast(token, src=self.peers[0], name=f"{what}.token")
+        return bytes(token.cpu().tolist()).hex()
+
+    def _connect(self) -> None:
+        """Bind this rank's datagram socket; learn the peers' addresses (collective)."""
+        token = self._token("shm.signal")
+        address = [f"\0spread-shm-{token}-{k}".encode() for k in range(self.world_size)]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind(address[self.rank])
+            self.collectives.barrier(name="shm.connect")
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(self.timeout)
+        self._socket = sock
+        self._peer_addresses = [(k, address[k]) for k in range(self.world_size) if k != self.rank]
+
+    # -- shared segments ---------------------------------------------------------------------------
+    def _map(self, size: int, what: str) -> mmap.mmap:
+        """Create (first rank) and map (every rank) a zero-filled shared file of ``size`` bytes."""
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-        path = os.path.join(folder, f"spread-shm-{bytes(token.cpu().tolist()).hex()}")
+        path = os.path.join(folder, f"spread-shm-{self._token(what)}")
         try:
             if self.rank == 0:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -218,24 +233,34 @@ class ShmAllReduce(AllReduceAlgorithm):
     # -- barriers ---------------------------------------------------------------------------------
     def _barrier(self, op: str) -> None:
         self._generation += 1
-        generation, counters, n = self._generation, self._counters, self.world_size
-        counters[self.rank * _COUNTER_STRIDE] = generation
-        others = [k * _COUNTER_STRIDE for k in range(n) if k != self.rank]
-        for _ in range(_SPIN):
-            if all(counters[i] >= generation for i in others):
+        generation, sock, arrived = self._generation, self._socket, self._arrived
+        message = self.rank.to_bytes(2, "little")
+        for _, address in self._peer_addresses:
+            while True:
+                try:
+                    sock.sendto(message, socket.MSG_DONTWAIT, address)
+                    break
+                except BlockingIOError:  # the peer's queue is full: take ours in meanwhile
+                    self._receive(op, block=False)
+        while any(arrived[k] < generation for k, _ in self._peer_addresses):
+            self._receive(op, block=True)
+
+    def _receive(self, op: str, *, block: bool) -> None:
+        """Count one barrier message (or all queued ones, without blocking)."""
+        sock = self._socket
+        while True:
+            try:
+                data = sock.recv(8) if block else sock.recv(8, socket.MSG_DONTWAIT)
+            except BlockingIOError:
                 return
-        start = time.monotonic()
-        while not all(counters[i] >= generation for i in others):
-            waited = time.monotonic() - start
-            if waited < 2e-3:
-                os.sched_yield()
-            elif waited < self.timeout:
-                time.sleep(5e-5 if waited < 2e-2 else 5e-4)
-            else:
-                behind = [k for k in range(n) if counters[k * _COUNTER_STRIDE] < generation]
+            except TimeoutError:
+                behind = [k for k, _ in self._peer_addresses if self._arrived[k] < self._generation]
                 raise CollectiveTimeout(
-                    self.rank, op, generation, f"ranks {behind} did not reach the shared-memory barrier"
-                )
+                    self.rank, op, self._generation, f"ranks {behind} did not reach the shared-memory barrier"
+                ) from None
+            self._arrived[int.from_bytes(data, "little")] += 1
+            if block:
+                return
 
     # -- the algorithm ----------------------------------------------------------------------------
     def _sum_my_slice(self, copies: list[torch.Tensor], numel: int) -> int:
@@ -353,9 +378,9 @@ class ShmAllReduce(AllReduceAlgorithm):
         self._deferred.clear()  # never waited for: running them now could wait on a rank that is gone
         super().close()
         self._peer_views.clear()
-        if self._counters is not None:
-            self._counters.release()
-            self._counters = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         for segment in self._segments:
             segment.views.clear()
             try:
@@ -363,6 +388,3 @@ class ShmAllReduce(AllReduceAlgorithm):
             except BufferError:  # a view is still alive somewhere; the mapping goes with it
                 pass
         self._segments.clear()
-        if self._control is not None:
-            self._control.close()
-            self._control = None
