@@ -47,7 +47,9 @@ class PSClient:
             )
             for i, address in enumerate(addresses)
         ]
-        self._pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="spread-ps-client")
+        # Room for several threads' calls at once: a sync-mode push blocks its pool thread until the
+        # round completes, and threads of one process (tests, the coordinator) may push concurrently.
+        self._pool = ThreadPoolExecutor(max_workers=8 * len(addresses), thread_name_prefix="spread-ps-client")
 
     @property
     def num_servers(self) -> int:

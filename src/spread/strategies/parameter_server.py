@@ -302,7 +302,11 @@ class ParameterServerStrategy(Strategy):
         return self.client.stats(ids=ids)
 
     def wait_for_workers(self, timeout: float | None = None) -> None:
-        """Mark this training task finished and wait until every training task has (then ``pull``)."""
+        """Mark this training task finished and wait until every training task has (then ``pull``).
+
+        Meant for the chief (to evaluate or save the final model): once every task is finished the
+        chief's ``close()`` stops the servers, so other tasks should not read from them afterwards.
+        """
         if self.rank < 0:
             return
         budget = self.shutdown_timeout if timeout is None else timeout

@@ -4,5 +4,6 @@ Public so that users can test their own distributed training code the way spread
 """
 
 from spread.testing.harness import RankResult, RanksFailed, launch_ranks, run_ranks
+from spread.testing.ps_jobs import ps_job_env, run_ps_job
 
-__all__ = ["RankResult", "RanksFailed", "launch_ranks", "run_ranks"]
+__all__ = ["RankResult", "RanksFailed", "launch_ranks", "ps_job_env", "run_ps_job", "run_ranks"]

@@ -1,0 +1,74 @@
+"""Parameter-server jobs for tests: a TF_CONFIG per process, run through :func:`launch_ranks`.
+
+Ranks ``0..W-1`` are the training tasks (chief, then workers), the next ``P`` ranks the servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from spread.testing.harness import launch_ranks
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def ps_job_env(num_workers: int, num_ps: int, *, extra_workers: int = 0) -> dict[int, dict[str, str]]:
+    """TF_CONFIG for each rank. ``extra_workers`` ranks at the end re-use worker task indices 1, 2, ...
+    (a restarted worker)."""
+    ports = free_ports(num_workers + num_ps)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    cluster = {"chief": addrs[:1], "ps": addrs[num_workers:]}
+    if num_workers > 1:
+        cluster["worker"] = addrs[1:num_workers]
+    tasks = (
+        [("chief", 0)] + [("worker", i) for i in range(num_workers - 1)] + [("ps", i) for i in range(num_ps)]
+    )
+    tasks += [("worker", i) for i in range(extra_workers)]
+    return {
+        rank: {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})}
+        for rank, (role, index) in enumerate(tasks)
+    }
+
+
+def run_ps_job(
+    fn: Callable[..., Any], num_workers: int, num_ps: int, *, timeout: float = 240.0, **options: Any
+) -> list:
+    """Run ``fn`` on the training ranks and serve on the ps ranks; returns every rank's RankResult."""
+    envs = ps_job_env(num_workers, num_ps, extra_workers=options.pop("extra_workers", 0))
+    return launch_ranks(
+        _entry,
+        len(envs),
+        args=(fn,),
+        rank_env=envs,
+        timeout=timeout,
+        fail_fast_grace=options.pop("fail_fast_grace", timeout),
+        **options,
+    )
+
+
+def _entry(fn: Callable[..., Any]) -> Any:
+    role = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
+    if role == "ps":
+        from spread.strategies import ParameterServerStrategy
+
+        try:
+            ParameterServerStrategy()
+        except SystemExit as exc:
+            return f"served (exit {exc.code})"
+        raise AssertionError("a ps task returned from ParameterServerStrategy()")
+    return fn()
