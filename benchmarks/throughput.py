@@ -29,6 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads
 
+DESCRIPTIONS = {
+    "W1": "W1: MLP 784-2048-2048-10, SGD, global batch 512",
+    "W2": "W2: GPT decoder (4 layers, d=256, seq 128, vocab 8192), AdamW, global batch 16 x 128 tokens",
+}
 MWMS_ALGORITHMS = ("auto", "native", "ring", "shm", "hierarchical", "reduce_to_one")
 MIRRORED_OPS = ("accumulate", "reduce_to_one", "hierarchical_copy")
 
@@ -119,7 +123,18 @@ def run_single(name: str, quick: bool, warmup: int, reps: int, steps: int) -> di
                 "rates": rates,
             }
         )
-    return {"workload": name, "unit": label, "rows": rows}
+    return _result(name, quick, label, rows)
+
+
+def _result(name: str, quick: bool, unit: str, rows: list[dict]) -> dict:
+    description = DESCRIPTIONS[name] + (" (quick: tiny model)" if quick else "")
+    return {
+        "workload": name,
+        "unit": unit,
+        "description": description,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
 
 
 def _rank_job(name: str, quick: bool, warmup: int, reps: int, steps: int) -> dict:
@@ -168,7 +183,7 @@ def _rank_job(name: str, quick: bool, warmup: int, reps: int, steps: int) -> dic
                     "rates": rates,
                 }
             )
-        return {"workload": name, "unit": label, "rows": rows}
+        return _result(name, quick, label, rows)
     finally:
         rdzv.close()
 

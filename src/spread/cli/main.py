@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from spread import __version__
 
-_SUBCOMMANDS = ("spread.cli.run", "spread.cli.plan")
+_SUBCOMMANDS = ("spread.cli.run", "spread.cli.plan", "spread.cli.bench")
 
 _DESCRIPTION = """\
 spread: distributed training for PyTorch with tf.distribute-style strategies.

@@ -1,0 +1,100 @@
+"""``spread bench``: the quick run produces the tables, the generated doc section and the raw JSON;
+the calibration fit recovers known latency and bandwidth. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spread.cli import _bench_calibrate, _bench_report
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_writes_tables_section_and_json(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nhand-written text stays.\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spread.cli.main",
+            "bench",
+            "--quick",
+            "--doc",
+            str(doc),
+            "--json",
+            str(tmp_path / "raw.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| configuration | processes x threads | samples/s median |" in result.stdout
+    assert "| size | native | ring |" in result.stdout
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written text stays.\n")
+    assert _bench_report.BEGIN in text and _bench_report.END in text
+    for config in (
+        "PyTorch DDP 2 x 1 thread",
+        "communication=auto",
+        "cross_device_ops=hierarchical_copy",
+        "one process, 2 threads",
+    ):
+        assert config in text
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    rows = raw["throughput"]["W1"]["rows"]
+    assert {r["kind"] for r in rows} == {"single", "mirrored", "ddp", "mwms"}
+    assert all(rate > 0 for r in rows for rate in r["rates"])
+    if _has_matplotlib():
+        assert (tmp_path / "img" / "bench.png").stat().st_size > 1000
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_rerun_replaces_the_generated_section_only(tmp_path):
+    doc = tmp_path / "b.md"
+    doc.write_text("before\n")
+    _bench_report.write_section(doc, "first")
+    doc.write_text(doc.read_text() + "after\n")
+    _bench_report.write_section(doc, "second")
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n")
+    assert "second" in text and "first" not in text and text.count(_bench_report.BEGIN) == 1
+
+
+def test_alpha_beta_fit_recovers_a_known_link():
+    alpha, beta = 50e-6, 2e9
+    samples = [(s, alpha + s / beta) for s in (4 << 10, 64 << 10, 1 << 20, 16 << 20)]
+    got_alpha, got_beta = _bench_calibrate.fit_alpha_beta(samples)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
+    with pytest.raises(ValueError, match="two timed sizes"):
+        _bench_calibrate.fit_alpha_beta(samples[:1])
+
+
+def test_profile_document_has_schema_and_every_algorithm():
+    allreduce = {
+        "nprocs": 2,
+        "sizes": [1024, 2048],
+        "seconds": {"native": {"1024": 1e-4, "2048": 1.5e-4}, "shm": {"1024": 1e-5, "2048": 1.2e-5}},
+    }
+    doc = _bench_calibrate.profile(allreduce, machine={"cores": 2}, quick=True, flops=1e10)
+    assert doc["schema_version"] == _bench_calibrate.SCHEMA_VERSION and doc["ranks"] == 2
+    assert set(doc["allreduce"]) == {"native", "shm"}
+    assert all(link["alpha"] >= 0 and link["beta"] > 0 for link in doc["allreduce"].values())
+    assert doc["compute"]["matmul_flops"] == 1e10
