@@ -75,7 +75,7 @@ def test_sparse_updates_equal_one_device_sgd(job):
         ids, y = torch.randint(0, 1000, (32,), generator=g), torch.randn(32, 1, generator=g)
         for t, h, o, run in ((table, head, optimizer, strategy.run), (ref_table, ref_head, ref_opt, None)):
             o.zero_grad()
-            fn = lambda t=t, h=h: nn.functional.mse_loss(h(t(ids)), y).backward()  # noqa: E731
+            fn = lambda t=t, h=h, ids=ids, y=y: nn.functional.mse_loss(h(t(ids)), y).backward()  # noqa: E731
             run(fn) if run else fn()
             o.step()
     name = strategy._names[id(table.weight)]
