@@ -99,3 +99,21 @@ class RemoteCallError(SpreadError):
 
 class ParameterServerError(RemoteCallError):
     """A parameter server could not be reached or refused a call (it died, is overloaded, or differs)."""
+
+
+class PipelineStageError(SpreadError):
+    """A pipeline stage died or stopped responding; ``dead_stages`` names it (with its ``dead_ranks``).
+
+    Raised on every surviving stage, so each process exits with the same diagnosis.
+    """
+
+    def __init__(self, rank: int, stage: int, dead: list[tuple[int, int]], op: str, detail: str) -> None:
+        self.rank = rank
+        self.stage = stage
+        self.dead_ranks = [r for r, _ in dead]
+        self.dead_stages = sorted({s for _, s in dead})
+        who = ", ".join(f"stage {s} (rank {r})" for r, s in dead) or "a peer stage (unidentified)"
+        super().__init__(
+            f"pipeline {who} died or stopped responding; stage {stage} (rank {rank}) gave up during "
+            f"{op}: {detail}"
+        )

@@ -12,6 +12,7 @@ from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from spread.strategies.one_device import OneDeviceStrategy
 from spread.strategies.parameter_server import ParameterServerStrategy
+from spread.strategies.pipeline import PipelineStrategy
 from spread.strategies.registry import STRATEGIES, make_strategy
 from spread.values import PerReplica
 
@@ -23,6 +24,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "PipelineStrategy",
     "ReplicaContext",
     "Strategy",
     "SupportsNoSync",

@@ -10,6 +10,7 @@ from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from spread.strategies.one_device import OneDeviceStrategy
 from spread.strategies.parameter_server import ParameterServerStrategy
+from spread.strategies.pipeline import PipelineStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
@@ -17,6 +18,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
     "central_storage": CentralStorageStrategy,
+    "pipeline": PipelineStrategy,
 }
 
 

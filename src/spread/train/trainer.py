@@ -220,8 +220,14 @@ class Trainer:
 
     def _train_step(self, batch: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        per_replica = self.strategy.run(self._train_replica_step, args=(batch,))
-        packed = self.strategy.reduce("sum", per_replica)
+        custom_step = getattr(self.strategy, "trainer_step", None)
+        if custom_step is not None:
+            # Strategies that own forward and backward (pipelines) run the step themselves and return
+            # the same summed [loss*n, n, metrics...] on every rank; the optimizer steps below as usual.
+            packed = custom_step(self, batch)
+        else:
+            per_replica = self.strategy.run(self._train_replica_step, args=(batch,))
+            packed = self.strategy.reduce("sum", per_replica)
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
             self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,140 @@
+"""Execute one stage's schedule: forwards and backwards of micro-batches, transfers in between.
+
+The runner is the only code that touches autograd across stages. A stage's forward output is sent
+detached; the next stage makes its copy a leaf that requires grad, so after that stage's backward the
+leaf's ``.grad`` is exactly the gradient to send back; the sending stage then resumes autograd with
+``torch.autograd.backward(output, grad)``. The last stage's backward starts from its loss, scaled by
+the micro-batch's share of the global batch, so summed gradients are those of the global mean loss.
+
+Gradient exchange between data-parallel replicas (hybrid) is left to the caller through ``no_sync``:
+every backward but the stage's last one runs inside it, and the last one triggers the exchange
+(overlapped with that backward by :class:`~spread.comm.GradientReducer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from spread.pipeline.p2p import StageLink
+from spread.pipeline.schedules import Action, Op
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+OnLoss = Callable[[int, torch.Tensor, Any, torch.Tensor], None]
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock seconds of one step on this stage: all of it, and the part spent computing."""
+
+    total: float = 0.0
+    compute: float = 0.0
+    per_action: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.compute / self.total if self.total > 0 else 0.0
+
+
+class StageRunner:
+    """Runs ``module`` (this stage's layers) under a schedule, talking to neighbours over ``link``."""
+
+    def __init__(
+        self, module: nn.Module, stage: int, stages: int, link: StageLink, *, record: bool = False
+    ) -> None:
+        self.module, self.stage, self.stages, self.link = module, stage, stages, link
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.record = record
+        self.last_times = StepTimes()
+
+    def train(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        loss_fn: LossFn | None,
+        weights: Sequence[float],
+        *,
+        no_sync: Callable[[], AbstractContextManager] | None = None,
+        on_loss: OnLoss | None = None,
+    ) -> None:
+        """One mini-batch: ``inputs`` (first stage) and ``targets`` (last stage) are per micro-batch;
+        ``weights[i]`` is micro-batch i's share of the global batch. Gradients accumulate in ``.grad``."""
+        num_backward = sum(1 for a in actions if a.op is Op.BACKWARD)
+        done_backward = 0
+        received: dict[int, torch.Tensor] = {}
+        wants_grad: dict[int, bool] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        grads: dict[int, torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}
+        times = StepTimes()
+        started = time.perf_counter()
+        for a in actions:
+            i = a.microbatch
+            if a.op is Op.RECV_ACT:
+                data, wants_grad[i] = self.link.recv_activation(i)
+                received[i] = data.requires_grad_(wants_grad[i])
+            elif a.op is Op.SEND_ACT:
+                self.link.send_activation(outputs[i], i)
+            elif a.op is Op.RECV_GRAD:
+                if outputs[i].requires_grad:
+                    grads[i] = self.link.recv_grad(outputs[i], i)
+            elif a.op is Op.SEND_GRAD:
+                if wants_grad.get(i):
+                    grad = received[i].grad
+                    self.link.send_grad(grad if grad is not None else torch.zeros_like(received[i]), i)
+                received.pop(i, None)
+            elif a.op is Op.FORWARD:
+                t0 = time.perf_counter()
+                x = inputs[i] if self.is_first else received[i]  # type: ignore[index]
+                out = self.module(x)
+                if self.is_last:
+                    loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
+                    if on_loss is not None:
+                        on_loss(i, out, targets[i], loss)  # type: ignore[index]
+                    losses[i] = loss
+                else:
+                    outputs[i] = out
+                self._account(times, a, t0)
+            elif a.op is Op.BACKWARD:
+                t0 = time.perf_counter()
+                done_backward += 1
+                last = done_backward == num_backward
+                with nullcontext() if last or no_sync is None else no_sync():
+                    if self.is_last:
+                        (losses.pop(i) * weights[i]).backward()
+                    else:
+                        out = outputs.pop(i)
+                        if out.requires_grad:
+                            torch.autograd.backward(out, grads.pop(i))
+                self._account(times, a, t0)
+        self.link.wait_sends()
+        times.total = time.perf_counter() - started
+        self.last_times = times
+
+    def forward(self, inputs: Sequence[Any]) -> list[torch.Tensor] | None:
+        """Inference: run every micro-batch through this stage (no gradients). The last stage returns
+        the outputs, the others None."""
+        outputs = []
+        with torch.no_grad():
+            for i in range(len(inputs)):
+                x = inputs[i] if self.is_first else self.link.recv_activation(i)[0]
+                out = self.module(x)
+                if self.is_last:
+                    outputs.append(out)
+                else:
+                    self.link.send_activation(out, i)
+        self.link.wait_sends()
+        return outputs if self.is_last else None
+
+    def _account(self, times: StepTimes, action: Action, t0: float) -> None:
+        t1 = time.perf_counter()
+        times.compute += t1 - t0
+        if self.record:
+            times.per_action.append((repr(action), t0, t1))

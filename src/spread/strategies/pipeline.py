@@ -1,0 +1,518 @@
+"""PipelineStrategy: split an ``nn.Sequential`` into stages, one process each, fed by micro-batches.
+
+Topology: ``stages`` x ``replicas`` processes. Global rank ``r`` is stage ``r % stages`` of pipeline
+replica ``r // stages``; the ranks of one pipeline replica are contiguous. Every rank of a pipeline
+replica reads the same slice of each global batch (stage 0 uses the inputs, the last stage the
+targets). With ``replicas > 1`` (hybrid), each stage's gradients are all-reduced within that stage's
+replica group (``dist.new_group``) by :class:`~spread.comm.GradientReducer`, overlapped with the last
+micro-batch's backward.
+
+Equivalence: each micro-batch's mean loss is scaled by its share of the *global* batch before its
+backward, gradients accumulate over the micro-batches and are summed over replicas, and the
+optimizer steps once per mini-batch, so the update equals one device on the same global batch.
+
+How to train: ``Trainer.fit`` (it calls :meth:`PipelineStrategy.trainer_step`), or a custom loop::
+
+    strategy = spread.PipelineStrategy(stages=2, microbatches=4, schedule="1f1b")
+    with strategy.scope():
+        model = nn.Sequential(...); optimizer = torch.optim.Adam(model.parameters())
+    for x, y in strategy.distribute_dataset(data, global_batch_size=64):
+        optimizer.zero_grad()
+        loss = strategy.train_step(model, x, y, loss_fn)   # the global mean loss, on every rank
+        optimizer.step()
+
+Every rank builds the whole model (rank 0's weights win, as in the other strategies) but computes only
+its own stage; parameters of other stages get no gradient, so the optimizer leaves them alone.
+``model(x)`` under ``torch.no_grad()`` runs the whole pipeline and returns the output on every rank
+(that is how ``Trainer.evaluate/predict`` work). Checkpoints: :meth:`gather_state_dict` brings every
+rank's copy of the model up to date and returns the full model's ``state_dict`` (original keys, loads
+into a one-device model); loading a one-device ``state_dict`` into ``model`` on every rank works as is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spread.cluster import ClusterSpec, resolve_cluster
+from spread.cluster.rendezvous import Rendezvous, default_backend, rendezvous
+from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
+from spread.comm.ops import classify_error
+from spread.data import ReplicaLayout
+from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
+from spread.memory import checkpoint_stage
+from spread.memory._forward import unwrap_forward, wrap_forward
+from spread.pipeline import (
+    BALANCE_BY,
+    SCHEDULES,
+    Heartbeat,
+    StageLink,
+    StageRunner,
+    as_layers,
+    make_schedule,
+    partition,
+)
+from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
+from spread.pipeline.partition import bounds_from_split_points, check_stage_count
+from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.values import PerReplica
+
+_WRAP_KIND = "pipeline"
+
+
+def _split_xy(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict) and {"x", "y"} <= batch.keys():
+        return batch["x"], batch["y"]
+    raise TypeError(f"PipelineStrategy expects batches of (inputs, targets); got {type(batch).__name__}")
+
+
+def _chunks(value: Any, parts: int) -> list[Any]:
+    if parts == 0:
+        return []
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, parts))
+    raise TypeError(f"pipeline inputs and targets must be tensors, got {type(value).__name__}")
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline parallelism (GPipe or 1F1B) over ``stages`` processes, times ``replicas`` (hybrid).
+
+    Args:
+        stages: number of pipeline stages (processes per pipeline replica).
+        microbatches: micro-batches per mini-batch (M >= 1); more means a smaller bubble
+            ``(S-1)/(M+S-1)`` but smaller, less efficient pieces of work.
+        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (same math, at most
+            ``S - stage`` micro-batches' activations alive at once).
+        split_points: indices of the first layer of stages 1..S-1; default: balanced by ``balance_by``.
+        replicas: data-parallel copies of the pipeline (the job has ``stages * replicas`` ranks).
+        balance_by: ``"time"`` (forward+backward per layer, measured on rank 0 on the first
+            micro-batch; parameter count when none is available) or ``"params"``.
+        checkpoint_stages: recompute each stage's activations in backward (keeps only stage inputs;
+            see :func:`spread.memory.checkpoint_stage`).
+        cluster, init_timeout, collective_timeout, bucket_cap_mb: as for MultiWorkerMirroredStrategy.
+    """
+
+    def __init__(
+        self,
+        stages: int,
+        microbatches: int = 1,
+        schedule: str = "gpipe",
+        split_points: Sequence[int] | None = None,
+        replicas: int = 1,
+        *,
+        balance_by: str = "time",
+        checkpoint_stages: bool = False,
+        cluster: ClusterSpec | None = None,
+        init_timeout: float | None = None,
+        collective_timeout: float | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        record_times: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_args(stages, microbatches, schedule, split_points, replicas, balance_by)
+        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.split_points = list(split_points) if split_points is not None else None
+        self.replicas, self.balance_by = replicas, balance_by
+        self.checkpoint_stages = checkpoint_stages
+        self.bucket_cap_mb = bucket_cap_mb
+        self.record_times = record_times
+        self.cluster = cluster if cluster is not None else resolve_cluster()
+        if self.cluster.world_size != stages * replicas:
+            raise ValueError(
+                f"PipelineStrategy(stages={stages}, replicas={replicas}) needs {stages * replicas} "
+                f"processes, but the job has {self.cluster.world_size}; launch it with "
+                f"`spread run -n {stages * replicas}` (or change stages/replicas)"
+            )
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        self._rendezvous: Rendezvous | None = None
+        if not dist.is_initialized():
+            self._rendezvous = rendezvous(
+                self.cluster,
+                backend=default_backend(self._device),
+                init_timeout=init_timeout,
+                collective_timeout=collective_timeout,
+            )
+        self.rank = dist.get_rank()
+        self.stage, self.replica = self.rank % stages, self.rank // stages
+        self.world = Collectives(device=self._device)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+        pipe_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+        self.replica_collectives = Collectives(replica_groups[self.stage], device=self._device)
+        self.pipeline_collectives = Collectives(pipe_groups[self.replica], device=self._device)
+        first = self.replica * stages
+        self.link = StageLink(
+            self.rank,
+            first + self.stage - 1 if self.stage > 0 else None,
+            first + self.stage + 1 if self.stage < stages - 1 else None,
+            self._device,
+        )
+        store = self._rendezvous.store if self._rendezvous is not None else None
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        self.heartbeat = Heartbeat(
+            store, self.rank, self.world.world_size, store_host_rank=None if agent_store else 0
+        )
+        self._model: nn.Module | None = None
+        self._bounds: list[tuple[int, int]] | None = None
+        self.stage_module: nn.Module | None = None
+        self._runner: StageRunner | None = None
+        self._reducer: GradientReducer | None = None
+
+    # -- topology ----------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.replicas
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def stage_bounds(self) -> list[tuple[int, int]] | None:
+        """Each stage's layer range ``[start, end)``, once the model is partitioned."""
+        return self._bounds
+
+    @property
+    def last_step_times(self):
+        """This stage's :class:`~spread.pipeline.StepTimes` of the last training step."""
+        return self._runner.last_times if self._runner is not None else None
+
+    @property
+    def _layout(self) -> ReplicaLayout:
+        return ReplicaLayout(
+            self.replicas, self.replica, 1, process_index=self.replica, num_processes=self.replicas
+        )
+
+    # -- variables ---------------------------------------------------------------------------------
+    def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        """Nothing yet: the model is split (and rank 0's weights broadcast) at its first use."""
+
+    def is_managed(self, model: nn.Module) -> bool:
+        return model is self._model
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Adopt ``model`` (an ``nn.Sequential`` or a list of modules) as the one pipelined model.
+
+        Local: the split and the broadcast of rank 0's weights happen at the model's first training
+        step or forward, on every rank together.
+        """
+        if self._model is model:
+            return model
+        if self._model is not None:
+            raise SpreadError(
+                "a PipelineStrategy pipelines one model; create another strategy for a second one"
+            )
+        as_layers(model)  # refuse anything that is not a sequence of layers, now
+        model.to(self._device)
+        self._model = model
+        wrap_forward(model, _WRAP_KIND, self._pipelined_forward)
+        return model
+
+    def _ensure_partitioned(self, sample: torch.Tensor | None) -> None:
+        if self._bounds is not None:
+            return
+        assert self._model is not None
+        layers = as_layers(self._model)
+        # Argument errors first, on every rank alike, before any rank waits in a collective.
+        check_stage_count(len(layers), self.stages)
+        if self.split_points is not None:
+            bounds_from_split_points(len(layers), self.stages, self.split_points)
+        with self._guard("the initial weight broadcast and partition"):
+            _broadcast_from(self.world, [*self._model.parameters(), *self._model.buffers()], src=0)
+            edges = torch.zeros(self.stages + 1, dtype=torch.int64, device=self.world.device)
+            if self.rank == 0:
+                bounds = partition(
+                    layers,
+                    self.stages,
+                    split_points=self.split_points,
+                    sample=sample,
+                    balance_by=self.balance_by,
+                )
+                edges.copy_(torch.tensor([b[0] for b in bounds] + [len(layers)]))
+            self.world.broadcast(edges, src=0, name="pipeline_partition")
+        e = edges.tolist()
+        self._bounds = [(e[i], e[i + 1]) for i in range(self.stages)]
+        start, end = self._bounds[self.stage]
+        self.stage_module = nn.Sequential(*layers[start:end])
+        if self.checkpoint_stages:
+            checkpoint_stage(self.stage_module)
+        self._runner = StageRunner(
+            self.stage_module, self.stage, self.stages, self.link, record=self.record_times
+        )
+        if self.replicas > 1:
+            self._reducer = GradientReducer(
+                list(self.stage_module.parameters()),
+                self.replica_collectives,
+                bucket_cap_mb=self.bucket_cap_mb,
+            )
+            self._reducer.grad_scale = 1.0  # micro-batch losses already carry their global-batch share
+
+    def _check_model(self, model: nn.Module) -> None:
+        if self._model is None:
+            self.prepare_model(model)
+        elif model is not self._model:
+            raise SpreadError("this PipelineStrategy already pipelines another model")
+
+    # -- training ----------------------------------------------------------------------------------
+    def _step(self, model: nn.Module, x: Any, y: Any, loss_fn: Callable, on_loss: Callable | None) -> None:
+        self._check_model(model)
+        if get_replica_context() is not None:
+            raise SpreadError("call train_step from the training loop, not inside strategy.run")
+        n = int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
+        m = min(self.microbatches, n)
+        xs, ys = _chunks(x, m), _chunks(y, m)
+        self._ensure_partitioned(xs[0] if xs else None)
+        info, self._step_info = self._step_info, None
+        global_n = info.global_size if info is not None and info.global_size > 0 else n * self.replicas
+        weights = [int(c.shape[0]) / global_n for c in ys]
+        assert self._runner is not None
+        with self._guard("a training step"):
+            if m == 0:  # this replica got no samples: it still joins the gradient exchange
+                if self._reducer is not None:
+                    self._reducer.reduce_now()
+                return
+            self._runner.train(
+                make_schedule(self.schedule, self.stage, self.stages, m),
+                xs,
+                ys,
+                loss_fn,
+                weights,
+                no_sync=self._reducer.no_sync if self._reducer is not None else None,
+                on_loss=on_loss,
+            )
+
+    def train_step(self, model: nn.Module, x: Any, y: Any, loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of one mini-batch through the pipeline; ``.grad`` holds the gradient
+        of the global mean loss when it returns (call ``optimizer.step()`` next). Collective: every
+        rank calls it with its batch. Returns the global mean loss, the same on every rank."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.world.device)
+
+        def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
+            sums[0] += float(loss.detach()) * int(target.shape[0])
+            sums[1] += int(target.shape[0])
+
+        self._step(model, x, y, loss_fn, on_loss)
+        with self._guard("the loss all-reduce"):
+            self.world.all_reduce(sums, name="pipeline_loss")
+        return (sums[0] / sums[1].clamp_min(1)).to(torch.float32)
+
+    def trainer_step(self, trainer: Any, batch: Any) -> torch.Tensor:
+        """The Trainer's hook: one pipelined step; returns ``[loss*n, n, metric sums...]`` summed over
+        the global batch, the same on every rank. The Trainer steps the optimizer afterwards."""
+        if getattr(trainer, "accumulation_steps", 1) != 1:
+            raise ValueError(
+                "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
+                "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
+            )
+        x, y = _split_xy(batch)
+        width = 2 + len(trainer.metrics)
+        stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
+
+        def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
+            stats.add_(trainer._stats(out, target, loss, int(target.shape[0])).to(stats.device))
+
+        self._step(trainer.model, x, y, trainer.loss_fn, on_loss)
+        with self._guard("the metrics all-reduce"):
+            self.world.all_reduce(stats, name="pipeline_metrics")  # only last stages contribute
+        return stats
+
+    # -- inference ---------------------------------------------------------------------------------
+    def _pipelined_forward(self, inner: Callable, x: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise SpreadError(
+                "under PipelineStrategy, model(x) runs the pipeline for inference only: call it inside "
+                "torch.no_grad(); train with Trainer.fit or strategy.train_step(model, x, y, loss_fn)"
+            )
+        if args or kwargs or not isinstance(x, torch.Tensor):
+            raise TypeError("a pipelined model takes one tensor argument")
+        n = int(x.shape[0])
+        if n == 0:
+            return inner(x)  # nothing to pipeline; every rank holds every layer
+        m = min(self.microbatches, n)
+        xs = _chunks(x, m)
+        self._ensure_partitioned(xs[0])
+        assert self._runner is not None
+        with self._guard("a pipelined forward"):
+            outputs = self._runner.forward(xs)
+            return self._broadcast_output(torch.cat(outputs) if outputs is not None else None)
+
+    def _broadcast_output(self, out: torch.Tensor | None) -> torch.Tensor:
+        src = self.replica * self.stages + self.stages - 1
+        pipe = self.pipeline_collectives
+        header = (
+            encode_header(out, False).to(pipe.device)
+            if out is not None
+            else torch.zeros(HEADER_LEN, dtype=torch.int64, device=pipe.device)
+        )
+        pipe.broadcast(header, src=src, name="pipeline_output_header")
+        dtype, _, shape = decode_header(header.cpu())
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self._device)
+        pipe.broadcast(out, src=src, name="pipeline_output")
+        return out
+
+    # -- cross-replica -----------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Call ``fn`` once in replica context (no gradient exchange: training goes through
+        :meth:`train_step` or ``Trainer``). Inside, ``model(x)`` under no_grad runs the pipeline."""
+        if get_replica_context() is not None:
+            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
+        _set_replica_context(ReplicaContext(self, self.replica, self.replicas))
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            _set_replica_context(None)
+            self._step_info = None
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine over the data-parallel replicas. ``value`` must be the same on every stage of a
+        pipeline replica (as the results of ``train_step`` and pipelined ``model(x)`` are)."""
+        op = check_reduce_op(op)
+        if axis is not None:
+            gathered = self.gather(value, axis=axis)
+            return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
+        tensor = _local_tensor(value, self._device).detach().clone()
+        with self._guard(f"reduce[{op}]"):
+            self.replica_collectives.all_reduce(tensor, name=f"reduce[{op}]")
+        return tensor if op == "sum" else tensor / self.replicas
+
+    def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
+        tensor = _local_tensor(value, self._device).detach()
+        with self._guard("gather"):
+            parts = self.replica_collectives.all_gather_uneven(tensor.movedim(axis, 0).contiguous())
+        return torch.cat(parts, dim=0).movedim(0, axis)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def gather_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Bring every rank's copy of every layer up to date (each stage's values from its replica-0
+        rank) and return ``model.state_dict()``: the full model under its original keys, loadable into
+        a one-device model. Collective: call it on every rank."""
+        model = model if model is not None else self._model
+        if model is None or model is not self._model:
+            raise SpreadError("gather_state_dict needs the model this strategy pipelines")
+        if self._bounds is not None:
+            layers = as_layers(model)
+            with self._guard("gather_state_dict"):
+                for s, (start, end) in enumerate(self._bounds):
+                    tensors = [
+                        t for layer in layers[start:end] for t in (*layer.parameters(), *layer.buffers())
+                    ]
+                    _broadcast_from(self.world, tensors, src=s)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    # -- failures ----------------------------------------------------------------------------------
+    @contextmanager
+    def _guard(self, what: str):
+        """Turn a lost peer or a deadline into PipelineStageError naming the stage that died."""
+        try:
+            yield
+        except PipelineStageError:
+            raise
+        except (CollectiveError, RuntimeError, dist.DistError) as exc:
+            err = exc if isinstance(exc, CollectiveError) else classify_error(self.rank, what, -1, exc)
+            if not isinstance(err, (PeerLostError, CollectiveTimeout)) and not _looks_lost(err.detail):
+                raise  # not a communication failure (a bug in the model, a shape mismatch): as it is
+            suspects = [err.peer] if err.peer is not None else []
+            dead = self.heartbeat.diagnose(suspects)
+            self.heartbeat.report(dead)
+            named = [(r, r % self.stages) for r in dead]
+            raise PipelineStageError(self.rank, self.stage, named, f"{what} ({err.op})", err.detail) from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.heartbeat.report(None)
+        self.heartbeat.close()
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+        if self._model is not None:
+            unwrap_forward(self._model, _WRAP_KIND)
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+        super().close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineStrategy(stages={self.stages}, microbatches={self.microbatches}, "
+            f"schedule={self.schedule!r}, replicas={self.replicas}, rank={self.rank}, stage={self.stage})"
+        )
+
+
+def _looks_lost(detail: str) -> bool:
+    text = detail.lower()
+    return any(m in text for m in ("connection", "broken pipe", "timed out", "timeout", "eof", "socket"))
+
+
+def _check_args(
+    stages: Any, microbatches: Any, schedule: Any, split_points: Any, replicas: Any, balance_by: Any
+) -> None:
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"stages must be a positive integer, got stages={stages!r}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(
+            f"microbatches must be a positive integer (M >= 1), got microbatches={microbatches!r}"
+        )
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got schedule={schedule!r}")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got replicas={replicas!r}")
+    if balance_by not in BALANCE_BY:
+        raise ValueError(f"balance_by must be one of {BALANCE_BY}, got balance_by={balance_by!r}")
+    if split_points is not None:
+        points = list(split_points)
+        if (
+            len(points) != stages - 1
+            or any(not isinstance(p, int) for p in points)
+            or points != sorted(set(points))
+            or (points and points[0] < 1)
+        ):
+            raise ValueError(
+                f"split_points must be stages-1={stages - 1} strictly increasing layer indices >= 1 "
+                f"(where stages 1..{stages - 1} start), got split_points={points!r}"
+            )
+
+
+def _broadcast_from(collectives: Collectives, tensors: list[torch.Tensor], src: int) -> None:
+    """Make every rank's ``tensors`` equal to rank ``src``'s, one flat broadcast per (device, dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            collectives.broadcast(flat, src=src, name="pipeline_weights")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _local_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, PerReplica):
+        (value,) = value.values
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return torch.as_tensor(value, device=device)
