@@ -38,6 +38,8 @@ examples:
   spread run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
   spread run -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
       two machines, 16 ranks; start one command per machine
+  spread run --workers 2 --ps 2 train_ps.py
+      a parameter-server job: chief, 2 workers, 2 servers (TF_CONFIG per process, loopback ports)
 
 exit status: 0 when every rank succeeds; the first failing rank's code (128+S if killed by signal
 S); 130/143 on SIGINT/SIGTERM; 2 for usage errors."""
@@ -133,6 +135,22 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 3)",
     )
+    add(
+        "--workers",
+        type=_int_at_least(0),
+        default=0,
+        metavar="W",
+        help="with --ps: worker tasks beside the chief of a parameter-server job (default: 0)",
+    )
+    add(
+        "--ps",
+        type=_int_at_least(0),
+        default=0,
+        metavar="P",
+        help="start a parameter-server job: 1 chief, W workers, P servers, each its own process with "
+        "TF_CONFIG set (use with ParameterServerStrategy; -n is then ignored)",
+    )
+    add("--evaluator", action="store_true", help="with --ps: also start an evaluator task")
     add("--no-prefix", action="store_true", help='do not prefix output lines with "[rank R] "')
     add("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT")
     add("script", metavar="SCRIPT", help="the Python script to run (or module, with -m)")
@@ -150,6 +168,8 @@ _FLAGS = {
     "max_restarts": "--max-restarts",
     "kill_grace": "--kill-grace",
     "entrypoint": "SCRIPT",
+    "workers": "--workers",
+    "ps": "--ps",
 }
 
 
@@ -177,6 +197,9 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             max_restarts=args.max_restarts,
             kill_grace=args.kill_grace,
             prefix_output=not args.no_prefix,
+            workers=args.workers,
+            ps=args.ps,
+            evaluator=args.evaluator,
         )
     except ValueError as exc:
         parser.error(_as_flags(str(exc)))

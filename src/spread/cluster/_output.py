@@ -35,7 +35,7 @@ class OutputRelay:
         self._lock = threading.Lock()
         self._broken: set[str] = set()
 
-    def start(self, rank: int, pipe: IO[bytes], stream: str) -> threading.Thread:
+    def start(self, rank: int | str, pipe: IO[bytes], stream: str) -> threading.Thread:
         """Start a daemon thread copying ``pipe`` to ``sys.<stream>`` until EOF; returns the thread."""
         thread = threading.Thread(
             target=self._pump, args=(rank, pipe, stream), name=f"spread-relay-{rank}-{stream}", daemon=True
@@ -65,8 +65,8 @@ class OutputRelay:
             except (OSError, ValueError):  # reader went away, or the stream was closed
                 self._broken.add(stream)
 
-    def _pump(self, rank: int, pipe: IO[bytes], stream: str) -> None:
-        tag = f"[rank {rank}] " if self.prefix else ""
+    def _pump(self, rank: int | str, pipe: IO[bytes], stream: str) -> None:
+        tag = (f"[{rank}] " if isinstance(rank, str) else f"[rank {rank}] ") if self.prefix else ""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         pending = ""
         fd = pipe.fileno()

@@ -21,6 +21,7 @@ the user's script a few tens of milliseconds after it is typed.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
@@ -69,6 +70,11 @@ class LaunchConfig:
         max_restarts: how many times the whole group is relaunched after a failure.
         kill_grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         prefix_output: tag every relayed line with ``[rank R] ``.
+        workers: with ``ps``: worker tasks beside the chief (a parameter-server job).
+        ps: parameter-server tasks; when > 0 the job is a parameter-server job: one chief, ``workers``
+            workers, ``ps`` servers and (``evaluator``) an evaluator, each its own process with a
+            ``TF_CONFIG`` naming every task's loopback address (``nproc`` is then that count).
+        evaluator: with ``ps``: also start an evaluator task.
     """
 
     entrypoint: str
@@ -82,8 +88,22 @@ class LaunchConfig:
     max_restarts: int = 0
     kill_grace: float = 3.0
     prefix_output: bool = True
+    workers: int = 0
+    ps: int = 0
+    evaluator: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("workers", "ps"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise _invalid(name, "must be an integer >= 0", getattr(self, name))
+        if (self.workers or self.evaluator) and not self.ps:
+            raise _invalid("ps", "must be >= 1 with workers or evaluator (a parameter-server job)", self.ps)
+        if self.ps:
+            if self.nnodes != 1:
+                raise _invalid(
+                    "nnodes", "must be 1 for a parameter-server job started by spread run", self.nnodes
+                )
+            object.__setattr__(self, "nproc", len(self.ps_tasks()))
         if not isinstance(self.entrypoint, str) or not self.entrypoint:
             raise _invalid("entrypoint", "must be a non-empty script path or module name", self.entrypoint)
         if isinstance(self.args, str) or not all(isinstance(a, str) for a in self.args):
@@ -120,6 +140,12 @@ class LaunchConfig:
             or not (grace > 0 and math.isfinite(grace))
         ):
             raise _invalid("kill_grace", "must be a finite number of seconds > 0", grace)
+
+    def ps_tasks(self) -> list[tuple[str, int]]:
+        """(role, index) of each process of a parameter-server job, in launch order."""
+        tasks = [("chief", 0)] + [("worker", i) for i in range(self.workers)]
+        tasks += [("ps", i) for i in range(self.ps)]
+        return tasks + ([("evaluator", 0)] if self.evaluator else [])
 
     @property
     def world_size(self) -> int:
@@ -204,6 +230,7 @@ class _Attempt:
         self.procs: list[subprocess.Popen] = []
         self.returncodes: dict[int, int] = {}
         self.threads: list[threading.Thread] = []
+        self.tf_config: dict[str, list[str]] | None = None
 
     def rank(self, local_rank: int) -> int:
         return self.config.node_rank * self.config.nproc + local_rank
@@ -233,13 +260,20 @@ class _Attempt:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // c.nproc))
         if store_fd is not None:
             env[STORE_FD_ENV] = str(store_fd)
+        if self.tf_config is not None:  # a parameter-server job: roles come from TF_CONFIG alone
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+                env.pop(name, None)
+            role, index = c.ps_tasks()[local_rank]
+            env["TF_CONFIG"] = json.dumps({"cluster": self.tf_config, "task": {"type": role, "index": index}})
         return env
 
     def run(self) -> _Outcome:
         """Spawn every local rank, wait for all or the first failure, and stop whatever remains."""
         c = self.config
         addr, port = c.master_addr or DEFAULT_MASTER_ADDR, c.master_port or 0
-        listener = bind_listener(addr, port) if c.node_rank == 0 else None
+        listener = bind_listener(addr, port) if c.node_rank == 0 and not c.ps else None
+        if c.ps:
+            self.tf_config = _ps_cluster(c, addr)
         try:
             if listener is not None:  # children connect to the numeric address the store listens on
                 addr, port = listener.getsockname()[:2]
@@ -273,8 +307,9 @@ class _Attempt:
         # Threads start only after every fork: preexec_fn must not run while other threads hold locks.
         for local_rank, proc in enumerate(self.procs):
             rank = self.rank(local_rank)
-            self.threads.append(self.relay.start(rank, proc.stdout, "stdout"))  # type: ignore[arg-type]
-            self.threads.append(self.relay.start(rank, proc.stderr, "stderr"))  # type: ignore[arg-type]
+            label: int | str = rank if not c.ps else " ".join(map(str, c.ps_tasks()[local_rank]))
+            self.threads.append(self.relay.start(label, proc.stdout, "stdout"))  # type: ignore[arg-type]
+            self.threads.append(self.relay.start(label, proc.stderr, "stderr"))  # type: ignore[arg-type]
             threading.Thread(target=self._watch, args=(local_rank, proc), daemon=True).start()
         outcome = self._wait()
         running = len(self.procs) - len(self.returncodes)
@@ -343,6 +378,26 @@ class _Attempt:
         deadline = time.monotonic() + _REAP_TIMEOUT
         while len(self.returncodes) < len(self.procs) and time.monotonic() < deadline:
             self._take(0.05)
+
+
+def _ps_cluster(config: LaunchConfig, host: str) -> dict[str, list[str]]:
+    """Loopback addresses for every task of a parameter-server job.
+
+    Free ports are found by binding port 0 and closing: a program could take one before the task
+    binds it (the task then fails with a clear error), a race the store socket of synchronous jobs
+    avoids by being handed over open; servers bind their own port, so that trick does not apply.
+    """
+    tasks = [t for t in config.ps_tasks() if t[0] != "evaluator"]
+    socks = [bind_listener(host, 0) for _ in tasks]
+    try:
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    cluster: dict[str, list[str]] = {}
+    for (role, _), port in zip(tasks, ports, strict=True):
+        cluster.setdefault(role, []).append(f"{host}:{port}")
+    return cluster
 
 
 def _check_entrypoint(config: LaunchConfig) -> None:
