@@ -10,6 +10,7 @@ from torch import nn
 from spread.memory import (
     SavedTensorBytes,
     checkpoint_blocks,
+    checkpoint_chunks,
     checkpoint_module,
     is_checkpointed,
     remove_checkpointing,
@@ -105,3 +106,34 @@ def test_bad_arguments_are_named():
         checkpoint_blocks(model, blocks=[3])
     with pytest.raises(ValueError, match="name the blocks"):
         checkpoint_blocks(nn.Linear(2, 2), every=1)
+
+
+def test_checkpoint_chunks_gives_the_same_gradients_and_keeps_less():
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8, requires_grad=True)
+    h = torch.randn(40, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (40,))
+
+    def loss_sum(h_part, t_part):
+        return nn.functional.cross_entropy(h_part @ weight.T, t_part, reduction="sum")
+
+    def run(chunks):
+        weight.grad = h.grad = None
+        with SavedTensorBytes(exclude=[weight, h]) as meter:
+            total = (
+                loss_sum(h, targets)
+                if chunks is None
+                else sum(checkpoint_chunks(loss_sum, h, targets, chunks=chunks))
+            )
+        total.backward()
+        return total.detach(), weight.grad.clone(), h.grad.clone(), meter.bytes
+
+    plain = run(None)
+    chunked = run(3)  # 14 + 14 + 12 rows
+    for a, b in zip(plain[:3], chunked[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert chunked[3] < plain[3]
+    with pytest.raises(ValueError, match="chunks must be"):
+        checkpoint_chunks(loss_sum, h, targets, chunks=0)
+    with pytest.raises(ValueError, match="disagree"):
+        checkpoint_chunks(loss_sum, h, targets[:5], chunks=2)

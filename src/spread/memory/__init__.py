@@ -3,7 +3,8 @@
 * gradient accumulation (:func:`micro_batches`, ``Trainer(accumulation_steps=k)``): one update from
   ``k`` smaller passes, equal to the whole global batch, one gradient exchange per step;
 * activation checkpointing (:func:`checkpoint_blocks`, :func:`checkpoint_module` for a pipeline
-  stage): recompute activations in backward instead of keeping them;
+  stage, :func:`checkpoint_chunks` for a head and loss computed slice by slice): recompute
+  activations in backward instead of keeping them;
 * activation offload (:class:`OffloadActivations`, :func:`offload_module`): keep saved activations
   in host memory until backward;
 * :class:`SavedTensorBytes`: count the bytes saved for backward (a deterministic memory measure).
@@ -12,6 +13,7 @@
 from spread.memory.accumulation import MicroBatch, micro_batches, no_sync_context, split_batch
 from spread.memory.checkpointing import (
     checkpoint_blocks,
+    checkpoint_chunks,
     checkpoint_module,
     checkpoint_stage,
     is_checkpointed,
@@ -25,6 +27,7 @@ __all__ = [
     "OffloadActivations",
     "SavedTensorBytes",
     "checkpoint_blocks",
+    "checkpoint_chunks",
     "checkpoint_module",
     "checkpoint_stage",
     "is_checkpointed",

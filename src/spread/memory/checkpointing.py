@@ -15,7 +15,7 @@ keys stay the same: checkpoints load both ways. In evaluation (no gradients) not
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,26 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
 
 checkpoint_stage = checkpoint_module  # the name the pipeline code uses for a stage's module
+
+
+def checkpoint_chunks(fn: Callable[..., Any], *tensors: torch.Tensor, chunks: int, dim: int = 0) -> list[Any]:
+    """``[fn(*slice_i) for each of chunks slices of tensors along dim]``, each call checkpointed.
+
+    For computations whose intermediate tensors dwarf their inputs and outputs, such as a language
+    model's head and loss (the logits hold tokens x vocabulary numbers): only one slice's
+    intermediates exist at a time, in forward and during the recomputation in backward. Tensors
+    ``fn`` uses without slicing (weights) are simply captured by ``fn``. The caller combines the
+    results (sum the per-slice loss sums, concatenate outputs, ...).
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if not tensors:
+        raise ValueError("checkpoint_chunks needs at least one tensor to slice")
+    sizes = {t.shape[dim] for t in tensors}
+    if len(sizes) != 1:
+        raise ValueError(f"the tensors disagree on the size of dimension {dim}: {sorted(sizes)}")
+    sliced = [t.chunk(chunks, dim=dim) for t in tensors]
+    return [_checkpointed(fn, *parts) for parts in zip(*sliced, strict=True)]
 
 
 def is_checkpointed(module: nn.Module) -> bool:
