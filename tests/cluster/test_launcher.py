@@ -46,7 +46,12 @@ def _assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
     for pid in survivors:  # do not leak into the next test, but still fail this one
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes still alive after launch returned: {survivors}"
-    children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    children = [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.status() != psutil.STATUS_ZOMBIE
+        and "resource_tracker" not in " ".join(c.cmdline())  # multiprocessing's, lives for the session
+    ]
     assert not children, f"the launcher left children behind: {children}"
 
 

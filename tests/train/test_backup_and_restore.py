@@ -135,6 +135,42 @@ def test_r5_without_a_launcher_the_other_rank_fails_within_the_collective_timeou
     print("FIGURES R5 detection", {"seconds": detected, "error": other.error[:160]})
 
 
+def _fit_with_an_unwritable_backup_dir(backup_dir: str) -> None:
+    strategy = spread.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(8, 3))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        callbacks = [BackupAndRestore(backup_dir, save_freq=2)]
+        trainer = spread.Trainer(
+            model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=callbacks
+        )
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+        trainer.fit((x, y), epochs=1, global_batch_size=BATCH, verbose=0)
+    finally:
+        strategy.close()
+
+
+def test_a_chief_that_cannot_write_the_backup_stops_every_rank_with_a_clear_error(tmp_path):
+    from spread.testing import launch_ranks
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    results = launch_ranks(
+        _fit_with_an_unwritable_backup_dir,
+        2,
+        args=(str(blocker / "backup"),),
+        collective_timeout=30,
+        timeout=120,
+    )
+    assert results[0].error and results[0].error.startswith(("FileExistsError", "NotADirectoryError"))
+    assert results[1].error == (
+        f"SpreadError: the chief failed to write the backup of step 2 to {blocker / 'backup'} "
+        "(its log says why); stopping so that no rank runs ahead of it"
+    ), results[1].describe()
+
+
 # -- C6: a backup restored into another model, optimizer or strategy ---------------------------------
 def _backup_once(backup_dir) -> None:
     with pytest.raises(KeyboardInterrupt):
@@ -245,8 +281,6 @@ class Chaos(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.fire("epoch_begin")
     def on_train_batch_end(self, step, logs=None):
-        ids = ",".join(map(str, self.trainer.model.ids))
-        say(f"IDS attempt={attempt} rank={rank} step={self.trainer.global_step} ids={ids}")
         if self.trainer.global_step == 2:
             listen = [f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections("inet")
                       if c.status == psutil.CONN_LISTEN]
@@ -258,8 +292,11 @@ class Chaos(Callback):
                 json.dump([" ".join(p.cmdline()) for p in job], f)
         self.fire("batch_end")
 
-class ArmCrashPoint(Callback):  # runs before BackupAndRestore: its save at crash_step dies at crash_point
+class BeforeBackup(Callback):  # runs before BackupAndRestore's save of the same step
     def on_train_batch_end(self, step, logs=None):
+        ids = ",".join(map(str, self.trainer.model.ids))  # applied by this step's optimizer update
+        say(f"IDS attempt={attempt} rank={rank} step={self.trainer.global_step} ids={ids}")
+        # the save at crash_step dies at crash_point
         if armed and rank == 0 and cfg.get("crash_point") and self.trainer.global_step == cfg["crash_step"]:
             say(f"CHAOS attempt={attempt} rank={rank} step={self.trainer.global_step} "
                   f"mode=crash_point:{cfg['crash_point']} t={time.time():.6f}")
@@ -277,7 +314,7 @@ save_freq = cfg.get("save_freq", 4)
 keep = cfg.get("keep_backup", False)
 backup = BackupAndRestore(backup_dir, save_freq=save_freq, delete_checkpoint=not keep)
 trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy,
-                         callbacks=[ArmCrashPoint(), backup, Chaos()])
+                         callbacks=[BeforeBackup(), backup, Chaos()])
 trainer.fit((x, y), epochs=3, global_batch_size=32, verbose=0)
 if strategy.is_chief:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

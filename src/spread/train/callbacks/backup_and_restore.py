@@ -7,6 +7,11 @@ rank, gathered to the chief; Python's and NumPy's of the chief). On the next ``f
 directory every rank restores them, and training continues after the last saved batch: no sample
 repeated or skipped, and the final weights equal an uninterrupted run's.
 
+A backup records the strategy's class and replica count, the global batch size and the optimizer's
+class; restoring into a model, optimizer or strategy that differs raises
+:class:`~spread.errors.CheckpointMismatchError` listing every mismatched key and field, before any
+weight is overwritten (an exact resume is impossible across such a change).
+
 Every rank must use the callback (it gathers RNG states collectively); only the chief writes.
 Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
 a warning in favour of the previous one.
@@ -23,6 +28,7 @@ import torch
 
 from spread.checkpoint import CheckpointManager
 from spread.checkpoint.compat import field_mismatches, optimizer_mismatches, raise_if, tensor_mismatches
+from spread.errors import SpreadError
 from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
 
@@ -111,11 +117,35 @@ class BackupAndRestore(Callback):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     def _save(self) -> None:
+        """Gather the RNG states, let the chief write, and return on every rank once it is durable.
+
+        The closing collective makes a backup a synchronisation point: no rank runs past step N until
+        the backup of step N is committed, so a rank that dies just after a save never takes the
+        chief's half-written backup down with it (the restart resumes from N, not from the one
+        before). A chief that fails to write says so to the others instead of leaving them waiting.
+        """
         trainer = self.trainer
+        distributed = trainer.strategy.num_replicas_in_sync > 1
         rng = torch.get_rng_state().unsqueeze(0)
-        all_rng = trainer.strategy.gather(rng) if trainer.strategy.num_replicas_in_sync > 1 else rng
-        if not trainer.is_chief:
-            return
+        all_rng = trainer.strategy.gather(rng) if distributed else rng
+        failure: BaseException | None = None
+        if trainer.is_chief:
+            try:
+                self._write(all_rng)
+            except Exception as exc:  # reported to the other ranks below, then re-raised
+                failure = exc
+        if distributed:
+            written = trainer.strategy.gather(torch.tensor([0.0 if failure else 1.0]))
+            if failure is None and bool((written < 1).any()):
+                raise SpreadError(
+                    f"the chief failed to write the backup of step {trainer.global_step} to "
+                    f"{self.backup_dir} (its log says why); stopping so that no rank runs ahead of it"
+                )
+        if failure is not None:
+            raise failure
+
+    def _write(self, all_rng: torch.Tensor) -> None:
+        trainer = self.trainer
         position = trainer.train_dataset.state_dict()
         sums = (
             trainer.running_sums.totals.clone()
