@@ -30,13 +30,13 @@ def load_data(seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[t
     return (x[:split], y[:split]), (x[split:], y[split:])
 
 
-def make_strategy(name: str) -> spread.Strategy:
+def make_strategy(name: str, compression: str | None = None) -> spread.Strategy:
     if name == "auto":
         name = "multi_worker_mirrored" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "one_device"
     if name == "mirrored":
         return spread.MirroredStrategy(num_replicas=2)
     if name == "multi_worker_mirrored":
-        return spread.MultiWorkerMirroredStrategy()
+        return spread.MultiWorkerMirroredStrategy(compression=compression)
     return spread.OneDeviceStrategy()
 
 
@@ -51,11 +51,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--verbose", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    parser.add_argument(
+        "--compression",
+        choices=["none", "bf16", "fp16"],
+        default="none",
+        help="exchange gradients in half precision (multi_worker_mirrored only)",
+    )
     args = parser.parse_args()
 
     started = time.perf_counter()
-    torch.manual_seed(0)
-    strategy = make_strategy(args.strategy)
+    torch.manual_seed(args.seed)
+    strategy = make_strategy(args.strategy, None if args.compression == "none" else args.compression)
     train, val = load_data()
     with strategy.scope():
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
