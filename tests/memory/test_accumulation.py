@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import spread
-from spread.memory import micro_batches, split_batch
+from spread.memory import checkpoint_blocks, micro_batches, offload_module, split_batch
 from spread.testing import run_ranks
 
 NUM_SAMPLES = 103  # 6 global batches of 16, then an uneven one of 7
@@ -26,10 +26,13 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
 
 
-def fit(strategy, accumulation_steps: int) -> dict[str, torch.Tensor]:
+def fit(strategy, accumulation_steps: int, memory_tools: bool = False) -> dict[str, torch.Tensor]:
     with strategy.scope():
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if memory_tools:  # checkpointing and offload compose with accumulation and the gradient exchange
+        checkpoint_blocks(model, every=1)
+        offload_module(model)
     trainer = spread.Trainer(
         model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, accumulation_steps=accumulation_steps
     )
@@ -136,11 +139,13 @@ def _mwms_accumulation_worker() -> dict:
     owner = spread.MultiWorkerMirroredStrategy("native")  # owns the process group; the others reuse it
     out = {}
     try:
-        for steps in (1, 3):
+        for steps in (1, 3, "3+tools"):
             strategy = spread.MultiWorkerMirroredStrategy("native", bucket_cap_mb=0.0005)  # several buckets
             try:
                 before = counter["calls"]
-                out[steps] = fit(strategy, steps)
+                out[steps] = fit(
+                    strategy, 3 if steps == "3+tools" else steps, memory_tools=steps == "3+tools"
+                )
                 out[f"calls_{steps}"] = counter["calls"] - before
                 out[f"exchanges_{steps}"] = strategy._reducer.reductions
                 out["buckets"] = len(strategy._reducer.buckets)
@@ -155,12 +160,13 @@ def test_multi_worker_mirrored_accumulation_equals_the_whole_batch_with_one_exch
     per_rank = run_ranks(_mwms_accumulation_worker, 2, timeout=240)
     optimizer_steps = EPOCHS * 7
     for rank, out in enumerate(per_rank):
-        diff = max_relative_difference(out[3], reference)
-        assert diff <= TOLERANCE, f"rank {rank}: max relative difference {diff:.2e}"
+        for config in (3, "3+tools"):
+            diff = max_relative_difference(out[config], reference)
+            assert diff <= TOLERANCE, f"rank {rank}, {config}: max relative difference {diff:.2e}"
         assert out["buckets"] > 1
         assert out["exchanges_3"] == out["exchanges_1"] == optimizer_steps
         # identical all-reduce traffic with and without accumulation: nothing on the non-final micro-steps
-        assert out["calls_3"] == out["calls_1"]
+        assert out["calls_3"] == out["calls_1"] == out["calls_3+tools"]
         assert out["calls_3"] >= optimizer_steps * out["buckets"]
 
 
