@@ -1,10 +1,17 @@
 """All-reduce algorithms over a flat buffer, chosen by name (see :data:`ALGORITHMS`).
 
-``"auto"`` rule (provisional until measured on more machines): ``shm`` when the backend is gloo
-(CPU buffers) and every rank runs on this machine, ``native`` otherwise (NCCL on GPUs, or ranks on
-several hosts). On the 2-core development machine ``shm`` beat gloo's all-reduce at every size from
-4 KB to 64 MB between 2 processes (see ``benchmarks/allreduce_bus.py``), so the rule has no size
-threshold.
+The ``"auto"`` rule, by backend and buffer size, written from ``benchmarks/allreduce_bus.py`` on the
+2-core development machine (2 processes, fp32, 4 KB to 64 MB; ``docs/benchmarks.md``):
+
+* **gloo (CPU buffers), every rank on this host, Linux** -> ``shm`` at every size. With buffers from
+  ``allocate`` (as the gradient buckets are) it measured 2.5-9.5x gloo's bus bandwidth on a quiet
+  machine (5.8x at 16 MB, 7x at 64 MB) and 5-17x on a loaded one, where gloo's loopback TCP suffers
+  most; it also won at 4 KB (one round of two datagram barriers against gloo's TCP round trips).
+  No size threshold: no size was found where another algorithm beat it.
+* **gloo across hosts** -> ``native``. Our ``ring`` measured 0.9-1.1x ``native`` for 4-64 MB and far
+  worse below 1 MB (each point-to-point message costs a Python round trip), ``reduce_to_one``
+  0.7-0.9x from 4 MB; ``hierarchical`` across real hosts was not measured, so it is not chosen.
+* **NCCL (GPU buffers)** -> ``native``: NCCL's own rings and trees are the reference there.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from spread.comm.algorithms.hierarchical import HierarchicalAllReduce
 from spread.comm.algorithms.native import NativeAllReduce
 from spread.comm.algorithms.reduce_to_one import ReduceToOneAllReduce
 from spread.comm.algorithms.ring import RingAllReduce
-from spread.comm.algorithms.shm import ShmAllReduce, same_host
+from spread.comm.algorithms.shm import ShmAllReduce, same_host, shm_supported
 from spread.comm.ops import Collectives
 
 ALGORITHMS: dict[str, type[AllReduceAlgorithm]] = {
@@ -33,7 +40,8 @@ def resolve_auto(collectives: Collectives) -> str:
     """The algorithm ``"auto"`` stands for on this group (collective: every rank must call)."""
     if dist.get_backend(collectives.group) != "gloo" or collectives.device.type != "cpu":
         return "native"
-    return "shm" if same_host(collectives) else "native"
+    on_one_host = same_host(collectives)  # collective: called on every rank, whatever the platform
+    return "shm" if on_one_host and shm_supported() else "native"
 
 
 def make_algorithm(
