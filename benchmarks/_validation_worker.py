@@ -2,7 +2,8 @@
 
 Run as every rank of a job (``spread run -n N``) or as one process for in-process strategies. The
 loop is the custom-loop path users write: ``distribute_dataset``, ``strategy.run``, optimizer step.
-Rank 0 writes ``{"step_seconds": median, "steps": [...]}`` as JSON to ``--output``.
+The chief writes ``{"step_seconds": median, "steps": [...]}`` as JSON to ``--output`` (under a
+parameter-server job, the chief's own steps: each worker steps on its share of the global batch).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def _strategy(args: argparse.Namespace) -> spread.Strategy:
         return spread.CentralStorageStrategy(num_replicas=args.replicas)
     if args.strategy == "multi_worker_mirrored":
         return spread.MultiWorkerMirroredStrategy(communication=args.communication)
+    if args.strategy == "parameter_server":
+        return spread.ParameterServerStrategy()
+    if args.strategy == "pipeline":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return spread.PipelineStrategy(
+            stages=args.stages, microbatches=args.microbatches, schedule="1f1b", replicas=world // args.stages
+        )
     raise SystemExit(f"validation worker: strategy {args.strategy!r} is not measured by this worker")
 
 
@@ -41,6 +49,8 @@ def main() -> None:
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--communication", default="auto")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -66,9 +76,14 @@ def main() -> None:
         for i, batch in enumerate(data):
             if i == args.warmup and hasattr(strategy, "collectives"):
                 strategy.collectives.barrier()
+            elif i == args.warmup and hasattr(strategy, "world"):
+                strategy.world.barrier()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            strategy.run(replica_step, args=(batch,))
+            if args.strategy == "pipeline":
+                strategy.train_step(model, *batch, loss_fn)
+            else:
+                strategy.run(replica_step, args=(batch,))
             optimizer.step()
             times.append(time.perf_counter() - start)
         measured = times[args.warmup :]

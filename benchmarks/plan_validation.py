@@ -35,7 +35,14 @@ from spread.plan.cluster import ClusterModel  # noqa: E402
 from spread.plan.predict import Options  # noqa: E402
 from spread.plan.workload import measure_model  # noqa: E402
 
-MEASURABLE = {"one_device", "mirrored", "central_storage", "multi_worker_mirrored"}
+MEASURABLE = {
+    "one_device",
+    "mirrored",
+    "central_storage",
+    "multi_worker_mirrored",
+    "parameter_server",
+    "pipeline",
+}
 
 
 def _measure(workload: str, candidate, steps: int, timeout: float) -> float | None:
