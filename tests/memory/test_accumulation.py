@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch import nn
@@ -74,32 +76,33 @@ def test_split_batch_refuses_bad_input():
         spread.Trainer(make_model(), None, nn.MSELoss(), accumulation_steps=0)
 
 
-def test_micro_batch_weights_sum_to_one_and_non_final_steps_run_without_sync():
+def test_only_the_last_micro_batch_backward_runs_outside_no_sync():
     class Recorder:
-        depth = 0
-        seen: list[int] = []
+        def __init__(self) -> None:
+            self.depth = 0
 
+        @contextmanager
         def no_sync(self):
-            from contextlib import contextmanager
-
-            @contextmanager
-            def cm():
-                Recorder.depth += 1
-                try:
-                    yield
-                finally:
-                    Recorder.depth -= 1
-
-            return cm()
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
 
     recorder = Recorder()
-    weights = []
-    for micro in micro_batches(torch.zeros(10, 1), 4, strategy=recorder):
-        Recorder.seen.append(Recorder.depth)
+    w = torch.ones(1, requires_grad=True)
+    depths, weights = [], []
+    w.register_hook(lambda grad: depths.append(recorder.depth))
+    for micro in micro_batches(torch.ones(10, 1), 4, strategy=recorder):
+        assert recorder.depth == 0  # nothing is held between micro-batches
         weights.append(micro.weight)
-    assert Recorder.seen == [1, 1, 1, 0]  # the last micro-batch's backward exchanges
+        micro.backward((micro.data * w).mean())
+    assert depths == [1, 1, 1, 0]  # the last micro-batch's backward exchanges
     assert weights == [3 / 10, 3 / 10, 2 / 10, 2 / 10]
-    assert Recorder.depth == 0
+    assert torch.allclose(w.grad, torch.ones(1))  # the weighted means add up to the whole batch's mean
+    with pytest.raises(RuntimeError):  # an error inside backward leaves the strategy synchronising
+        next(micro_batches(torch.ones(4, 1), 2, strategy=recorder)).backward(torch.ones(1))
+    assert recorder.depth == 0
 
 
 # -- equivalence -----------------------------------------------------------------------------------
@@ -180,7 +183,7 @@ def _custom_loop(strategy, steps: int) -> dict[str, torch.Tensor]:
     def train_step(x, y):
         for micro in micro_batches((x, y), steps, strategy=strategy):
             mx, my = micro.data
-            (loss_fn(model(mx), my) * micro.weight).backward()
+            micro.backward(loss_fn(model(mx), my))
 
     for _ in range(EPOCHS):
         for x, y in dataset:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ class MicroBatch:
         num_samples: samples in this micro-batch.
         weight: multiply the micro-batch's *mean* loss by this before ``backward()``
             (``num_samples`` over the replica's samples; 0.0 for an empty replica batch).
+        strategy: the strategy whose ``no_sync()`` :meth:`backward` uses (None: always exchange).
     """
 
     data: Any
@@ -50,10 +51,25 @@ class MicroBatch:
     count: int
     num_samples: int
     weight: float
+    strategy: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_last(self) -> bool:
         return self.index == self.count - 1
+
+    def backward(self, mean_loss: torch.Tensor) -> None:
+        """``(mean_loss * weight).backward()``, inside the strategy's ``no_sync()`` unless this is the
+        last micro-batch: only the last backward pass exchanges gradients (all that accumulated).
+
+        The no-sync block lasts exactly this call, so an exception anywhere leaves the strategy
+        synchronising as before.
+        """
+        scaled = mean_loss * self.weight
+        if self.is_last:
+            scaled.backward()
+            return
+        with no_sync_context(self.strategy):
+            scaled.backward()
 
 
 def check_accumulation_steps(steps: Any) -> int:
@@ -97,25 +113,21 @@ def no_sync_context(strategy: Any) -> AbstractContextManager[Any]:
 def micro_batches(batch: Any, num_micro_batches: int, *, strategy: Any = None) -> Iterator[MicroBatch]:
     """Yield a replica's ``batch`` as micro-batches for gradient accumulation (custom loops).
 
-    Call it inside ``strategy.run``, and run forward and ``(mean_loss * micro.weight).backward()`` once
-    per micro-batch; step the optimizer after ``run`` as usual::
+    Call it inside ``strategy.run``; run forward and ``micro.backward(mean_loss)`` once per
+    micro-batch; step the optimizer after ``run`` as usual::
 
         def train_step(batch):
             for micro in spread.memory.micro_batches(batch, 4, strategy=strategy):
                 x, y = micro.data
-                (loss_fn(model(x), y) * micro.weight).backward()
+                micro.backward(loss_fn(model(x), y))
 
-    With ``strategy`` given, every micro-batch but the last is yielded inside ``strategy.no_sync()``
-    (when it has one), so only the last backward exchanges gradients. Without it the result is the
-    same, but every backward pass exchanges.
+    ``micro.backward`` weights the loss and, with ``strategy`` given, runs every backward pass but the
+    last inside ``strategy.no_sync()`` (when it has one), so gradients are exchanged once. Calling
+    ``(loss * micro.weight).backward()`` yourself gives the same result, with an exchange per pass
+    unless you wrap the non-final ones in :func:`no_sync_context`.
     """
     parts = split_batch(batch, num_micro_batches)
     total = sum(size for _, size in parts)
     count = len(parts)
     for index, (data, size) in enumerate(parts):
-        micro = MicroBatch(data, index, count, size, size / total if total else 0.0)
-        if index < count - 1:
-            with no_sync_context(strategy):
-                yield micro
-        else:
-            yield micro
+        yield MicroBatch(data, index, count, size, size / total if total else 0.0, strategy)

@@ -122,7 +122,7 @@ class Trainer:
             (mx, my), n = micro.data, micro.num_samples
             y_pred = self.model(mx)
             loss = self.loss_fn(y_pred, my)
-            (loss * micro.weight if n else y_pred.sum() * 0.0).backward()
+            micro.backward(loss if n else y_pred.sum() * 0.0)
             part = self._stats(y_pred, my, loss, n)
             stats = part if stats is None else stats + part
         return stats
