@@ -26,6 +26,7 @@ _EXPORTS = {
     "MultiWorkerMirroredStrategy": "spread.strategies",
     "CentralStorageStrategy": "spread.strategies",
     "ParameterServerStrategy": "spread.strategies",
+    "ClusterCoordinator": "spread.ps",
     "PipelineStrategy": "spread.strategies",
     "PerReplica": "spread.strategies",
     "ReplicaContext": "spread.strategies",
@@ -40,6 +41,7 @@ _EXPORTS = {
 
 __all__ = [
     "CentralStorageStrategy",
+    "ClusterCoordinator",
     "ClusterSpec",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
@@ -61,6 +63,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from spread import errors
     from spread.cluster import ClusterSpec, resolve_cluster
+    from spread.ps import ClusterCoordinator
     from spread.strategies import (
         CentralStorageStrategy,
         MirroredStrategy,

@@ -7,10 +7,14 @@ job-token handshake), :mod:`optimizers` (server-side SGD/Adagrad/Adam/AdamW), :m
 """
 
 from spread.ps.client import PSClient
+from spread.ps.coordinator import ClusterCoordinator, PerWorkerDataset, RemoteValue
 from spread.ps.placement import Placement, Shard, VariableInfo, place
 from spread.ps.server import ParameterServer, serve
 
 __all__ = [
+    "ClusterCoordinator",
+    "PerWorkerDataset",
+    "RemoteValue",
     "PSClient",
     "ParameterServer",
     "Placement",

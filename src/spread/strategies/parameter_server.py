@@ -105,6 +105,7 @@ class ParameterServerStrategy(Strategy):
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device("cpu")
+        self.job_token = token  # for the coordinator's own server; never printed
         self.client = PSClient(list(servers), token=token, timeout=timeout)
         self.placement = Placement({}, len(servers))
         self._variables: dict[str, nn.Parameter] = {}

@@ -46,29 +46,49 @@ def ps_job_env(num_workers: int, num_ps: int, *, extra_workers: int = 0) -> dict
 
 
 def run_ps_job(
-    fn: Callable[..., Any], num_workers: int, num_ps: int, *, timeout: float = 240.0, **options: Any
+    fn: Callable[..., Any],
+    num_workers: int,
+    num_ps: int,
+    *,
+    args: tuple = (),
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+    rank_env_extra: dict[int, dict[str, str]] | None = None,
+    extra_workers: int = 0,
+    **options: Any,
 ) -> list:
-    """Run ``fn`` on the training ranks and serve on the ps ranks; returns every rank's RankResult."""
-    envs = ps_job_env(num_workers, num_ps, extra_workers=options.pop("extra_workers", 0))
+    """Run ``fn(*args)`` on the training ranks while the ps ranks serve; returns every RankResult.
+
+    A rank that fails does not cut the others short (a failure test kills ranks on purpose): each
+    rank has until ``timeout``.
+    """
+    envs = ps_job_env(num_workers, num_ps, extra_workers=extra_workers)
+    for rank, values in (rank_env_extra or {}).items():
+        envs[rank].update(values)
     return launch_ranks(
         _entry,
         len(envs),
-        args=(fn,),
+        args=(fn, args),
         rank_env=envs,
+        env=env,
         timeout=timeout,
         fail_fast_grace=options.pop("fail_fast_grace", timeout),
         **options,
     )
 
 
-def _entry(fn: Callable[..., Any]) -> Any:
+def _entry(fn: Callable[..., Any], args: tuple) -> Any:
+    """A ps task serves until stopped; a coordinated worker serves tasks and ends with SystemExit(0):
+    both count as success and return ``"exited 0"``."""
     role = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
-    if role == "ps":
-        from spread.strategies import ParameterServerStrategy
+    try:
+        if role == "ps":
+            from spread.strategies import ParameterServerStrategy
 
-        try:
             ParameterServerStrategy()
-        except SystemExit as exc:
-            return f"served (exit {exc.code})"
-        raise AssertionError("a ps task returned from ParameterServerStrategy()")
-    return fn()
+            raise AssertionError("a ps task returned from ParameterServerStrategy()")
+        return fn(*args)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        return "exited 0"

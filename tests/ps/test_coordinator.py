@@ -1,0 +1,159 @@
+"""ClusterCoordinator on a real job: every scheduled step applied exactly once when a worker is
+SIGKILLed mid-step (P1), a restarted worker rejoins (P2), a dead server is named (P3), and shutdown
+leaves no thread or socket (P7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import spread
+from spread.errors import SpreadError
+from spread.testing import run_ps_job
+
+_STATE: dict = {}
+
+
+def _make_data():
+    g = torch.Generator().manual_seed(int(os.environ.get("SPREAD_TEST_SEED", "0")))
+    x = torch.randn(64, 4, generator=g)
+    return [(x[i : i + 8], x[i : i + 8].sum(1, keepdim=True)) for i in range(0, 64, 8)]
+
+
+def _train_step(iterator, task: int):
+    x, y = next(iterator)
+    model, optimizer = _STATE["model"], _STATE["optimizer"]
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()  # pushes this task's gradients under its step id
+    _STATE["ran"] = _STATE.get("ran", 0) + 1
+    kill_at = os.environ.get("SPREAD_TEST_KILL_AT")
+    if kill_at and _STATE["ran"] == int(kill_at):
+        open(os.environ["SPREAD_TEST_MARKER"], "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # after the push, before the chief hears back
+    time.sleep(float(os.environ.get("SPREAD_TEST_TASK_SECONDS", "0")))
+    return {"loss": loss.detach(), "task": task, "pid": os.getpid()}
+
+
+def _setup():
+    marker = os.environ.get("SPREAD_TEST_WAIT_FOR")
+    if marker:  # a restarted worker: start only once the first one died
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    strategy = spread.ParameterServerStrategy(timeout=20)
+    with strategy.scope():
+        torch.manual_seed(0)
+        _STATE["model"] = nn.Linear(4, 1)
+        _STATE["optimizer"] = torch.optim.SGD(_STATE["model"].parameters(), lr=0.05)
+    coordinator = spread.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(_make_data))
+    return strategy, coordinator, iterator
+
+
+def _exactly_once_job(num_tasks: int, rejoin: bool) -> dict:
+    threads_before = {t.ident for t in threading.enumerate()}
+    strategy, coordinator, iterator = _setup()
+    first = [coordinator.schedule(_train_step, args=(iterator, i)) for i in range(num_tasks)]
+    coordinator.join()
+    second = []
+    if rejoin:
+        deadline = time.monotonic() + 120
+        while coordinator.stats()["sessions"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = [coordinator.schedule(_train_step, args=(iterator, num_tasks + i)) for i in range(num_tasks)]
+        coordinator.join()
+    results = [v.fetch() for v in first + second]
+    server_stats = strategy.server_stats(ids=True)
+    coordinator_stats = coordinator.stats()
+    coordinator.shutdown()
+    strategy.close()
+    time.sleep(0.2)
+    leftover_threads = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+    port = int(json.loads(os.environ["TF_CONFIG"])["cluster"]["chief"][0].rsplit(":", 1)[1])
+    listening = [c for c in psutil.Process().net_connections("tcp") if c.laddr.port == port]
+    return {
+        "tasks": sorted(r["task"] for r in results),
+        "servers": server_stats,
+        "coordinator": coordinator_stats,
+        "worker_pids": len({r["pid"] for r in results}),
+        "leftover_threads": leftover_threads,
+        "chief_sockets": len(listening),
+    }
+
+
+def test_worker_sigkilled_mid_step_every_step_applied_exactly_once(tmp_path):
+    marker = str(tmp_path / "killed")
+    n = 24
+    env = {"SPREAD_TEST_MARKER": marker, "SPREAD_TEST_TASK_SECONDS": "0.1"}
+    results = run_ps_job(
+        _exactly_once_job,
+        3,
+        2,
+        args=(n, True),
+        env=env,
+        rank_env_extra={1: {"SPREAD_TEST_KILL_AT": "3"}, 5: {"SPREAD_TEST_WAIT_FOR": marker}},
+        extra_workers=1,
+    )
+    assert results[1].exitcode == -signal.SIGKILL  # worker 0 died mid-step
+    for r in results[:1] + results[2:]:
+        assert r.ok, r.describe()
+    chief = results[0].value
+    assert chief["tasks"] == list(range(2 * n))  # nothing lost, each result once
+    step_ids = [s["applied_ids"] for s in chief["servers"]]
+    for ids in step_ids:
+        assert len(ids) == len(set(ids)) == 2 * n  # every step applied exactly once on each server
+    assert all(s["duplicates"] >= 1 for s in chief["servers"])  # the killed worker's push, re-run
+    stats = chief["coordinator"]
+    assert stats["scheduled"] == stats["completed"] == 2 * n
+    assert stats["rescheduled"] == 1 and stats["workers_lost"] == 1
+    # P2: the restarted worker rejoined and ran tasks (2 original workers + 1 restarted)
+    assert stats["sessions"] == 3 and chief["worker_pids"] == 3
+    assert chief["leftover_threads"] == [] and chief["chief_sockets"] == 0  # P7
+
+
+def _dead_server_job() -> dict:
+    strategy, coordinator, iterator = _setup()
+    for v in [coordinator.schedule(_train_step, args=(iterator, i)) for i in range(4)]:
+        v.fetch(timeout=60)
+    address = strategy.cluster.cluster["ps"][1]
+    port = int(address.rsplit(":", 1)[1])
+    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"}
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    coordinator.schedule(_train_step, args=(iterator, 99))
+    try:
+        coordinator.join(timeout=60)
+        error = None
+    except SpreadError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    coordinator.shutdown()
+    strategy.close()
+    return {"error": error, "seconds": seconds, "address": address}
+
+
+def test_dead_parameter_server_is_named_within_the_timeout():
+    results = run_ps_job(_dead_server_job, 2, 2)
+    chief = results[0].value
+    assert results[0].ok, results[0].describe()
+    assert results[3].exitcode == -signal.SIGKILL
+    assert f"parameter server 1 ({chief['address']})" in chief["error"], chief
+    assert chief["seconds"] < 20  # the call timeout
+
+
+def test_schedule_refuses_functions_workers_cannot_find():
+    from spread.ps.coordinator import _function_reference
+
+    with pytest.raises(ValueError, match="module-level function"):
+        _function_reference(lambda: None)
+    assert _function_reference(_train_step) == (__name__, "_train_step")
