@@ -51,14 +51,25 @@ class RingAllReduce(AllReduceAlgorithm):
             return buffer[bounds[i] : bounds[i + 1]]
 
         scratch = self._scratch("ring", buffer.dtype, bounds[1] - bounds[0], buffer.device)
+        sends: list = []
         for step in range(n - 1):  # reduce-scatter
-            self._exchange(segment(r - step), segment(r - step - 1), scratch)
+            sends += self._exchange(segment(r - step), segment(r - step - 1), scratch)
+        self._wait(sends)  # the all-gather overwrites segments sent above
         for step in range(n - 1):  # all-gather
-            self._exchange(segment(r + 1 - step), segment(r - step), None)
+            sends += self._exchange(segment(r + 1 - step), segment(r - step), None)
+        self._wait(sends)
 
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, scratch: torch.Tensor | None) -> None:
+    @staticmethod
+    def _wait(works: list) -> None:
+        while works:
+            works.pop(0).wait()
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, scratch: torch.Tensor | None) -> list:
         """Send ``send`` right while receiving ``recv``'s counterpart from the left; add it into
-        ``recv`` (through ``scratch``) or, without scratch, receive straight into ``recv``."""
+        ``recv`` (through ``scratch``) or, without scratch, receive straight into ``recv``. Returns
+        the sends still in flight: a segment sent here is not written again in the same phase (a
+        reduce-scatter step adds into the segment it received, an all-gather step receives into a
+        segment no earlier step sent), so only the phase boundary has to wait for them."""
         step = max(1, self.sub_chunk_bytes // max(1, send.element_size()))
         receives = []
         for k, start in enumerate(range(0, recv.numel(), step)):
@@ -73,8 +84,7 @@ class RingAllReduce(AllReduceAlgorithm):
             work.wait()
             if scratch is not None:
                 _accumulate(recv[start : start + piece.numel()], piece)
-        for work in sends:
-            work.wait()
+        return sends
 
 
 def _accumulate(into: torch.Tensor, part: torch.Tensor) -> None:
