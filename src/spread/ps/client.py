@@ -247,10 +247,27 @@ class PSClient:
         """Ask every server to stop serving (the chief does this at the end of the job)."""
         self._each({s: (lambda c: c.call("stop")) for s in range(self.num_servers)})
 
-    def state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every server's shards and optimizer state (for checkpoints), by server index."""
+    def state(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any] | None]:
+        """Every server's shards and optimizer state by server index, and the optimizer spec."""
         answers = self._each({s: (lambda c: c.call("state")) for s in range(self.num_servers)})
-        return {s: answers[s][1] for s in range(self.num_servers)}
+        spec = next((answers[s][0]["optimizer"] for s in answers if answers[s][0].get("optimizer")), None)
+        return {s: answers[s][1] for s in range(self.num_servers)}, spec
+
+    def load(self, state: Mapping[int, Mapping[str, torch.Tensor]], config: Mapping[str, Any]) -> None:
+        """Overwrite every server's shards and optimizer state with ``state`` (a restore)."""
+        self._each(
+            {
+                s: (
+                    lambda c, s=s: c.call(
+                        "create",
+                        {"config": dict(config), "overwrite": True},
+                        dict(state[s]),
+                        wait_for_ready=True,
+                    )
+                )
+                for s in range(self.num_servers)
+            }
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -309,7 +309,8 @@ class ParameterServer:
                 for key in self.variables:
                     for slot, value in self.optimizer.state_tensors(key).items():
                         out[f"opt:{key}:{slot}"] = value.clone()
-            return {"version": self.version}, out
+            spec = self.optimizer.spec if self.optimizer is not None else None
+            return {"version": self.version, "optimizer": spec}, out
 
 
 def serve(index: int, *, token: str, address: str) -> None:

@@ -370,13 +370,14 @@ class RpcClient:
                     raise self._error_type(self.peer, op, f"connection failed: {exc}") from None
                 time.sleep(0.05)
 
-    def _take(self, op: str, deadline: float, wait_for_ready: bool) -> socket.socket:
+    def _take(self, op: str, deadline: float, wait_for_ready: bool) -> tuple[socket.socket, bool]:
+        """A connection, and whether it is a kept-alive one from the pool."""
         with self._lock:
             if self._closed:
                 raise self._error_type(self.peer, op, "the client was closed")
             if self._idle:
-                return self._idle.pop()
-        return self._connect(op, deadline, wait_for_ready)
+                return self._idle.pop(), True
+        return self._connect(op, deadline, wait_for_ready), False
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
@@ -424,18 +425,24 @@ class RpcClient:
         """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        sock = self._take(method, deadline, wait_for_ready)
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            sent = self._send_request(sock, method, meta, tensors)
-            self._count(sent, 0)
-            status, body = self._read_answer(sock, method)
-        except TimeoutError:
-            sock.close()
-            raise self._error_type(self.peer, method, f"no answer within {budget:g}s") from None
-        except (OSError, ConnectionError) as exc:
-            sock.close()
-            raise self._error_type(self.peer, method, f"connection lost (it died?): {exc}") from None
+        for attempt in (0, 1):
+            sock, reused = self._take(method, deadline, wait_for_ready)
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                sent = self._send_request(sock, method, meta, tensors)
+                self._count(sent, 0)
+                status, body = self._read_answer(sock, method)
+                break
+            except TimeoutError:
+                sock.close()
+                raise self._error_type(self.peer, method, f"no answer within {budget:g}s") from None
+            except (OSError, ConnectionError) as exc:
+                sock.close()
+                # A kept-alive connection may have died while idle (the server restarted): try once
+                # on a fresh one. Safe because every call is idempotent (pushes by their step id).
+                if reused and attempt == 0:
+                    continue
+                raise self._error_type(self.peer, method, f"connection lost (it died?): {exc}") from None
         self._give_back(sock)
         if status != OK:
             self._raise_for(status, body, method)

@@ -29,12 +29,14 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from spread.checkpoint import CheckpointManager
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.data import ReplicaLayout
 from spread.errors import ParameterServerError, SpreadError
@@ -301,6 +303,40 @@ class ParameterServerStrategy(Strategy):
     def server_stats(self, *, ids: bool = False) -> list[dict[str, Any]]:
         """Each server's counters: updates applied, duplicates ignored, version, finished workers."""
         return self.client.stats(ids=ids)
+
+    def save_servers(self, directory: str | Path, *, step: int | None = None, keep: int = 3) -> Path:
+        """Checkpoint every server's shards and optimizer state (the chief; atomic and verified).
+
+        Returns the checkpoint directory. Restore with :meth:`restore_servers`.
+        """
+        state, spec = self.client.state()
+        payload = {"servers": {str(s): tensors for s, tensors in state.items()}, "optimizer": spec}
+        return CheckpointManager(directory, keep=keep).save(
+            self.local_step if step is None else step, payload
+        )
+
+    def restore_servers(self, directory: str | Path) -> int:
+        """Load the latest checkpoint into the servers (a replaced server gets its shards back).
+
+        Returns the checkpoint's step. Raises :class:`SpreadError` when there is none, and
+        ``CheckpointCorruptError`` when every checkpoint is corrupt.
+        """
+        loaded = CheckpointManager(directory).load_latest()
+        if loaded is None:
+            raise SpreadError(f"no parameter-server checkpoint in {directory}")
+        step, payload = loaded
+        servers = payload["servers"]
+        if len(servers) != self.client.num_servers:
+            raise SpreadError(
+                f"the checkpoint in {directory} holds {len(servers)} server(s); "
+                f"this job has {self.client.num_servers}"
+            )
+        config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+        if payload.get("optimizer"):
+            config["optimizer"] = payload["optimizer"]
+        self.client.load({int(s): tensors for s, tensors in servers.items()}, config)
+        self.pull()
+        return step
 
     def wait_for_workers(self, timeout: float | None = None) -> None:
         """Mark this training task finished and wait until every training task has (then ``pull``).
