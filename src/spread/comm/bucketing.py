@@ -231,20 +231,27 @@ class GradientReducer:
     def _pack(self, bucket: _Bucket, ready: set[int], fresh: dict[int, torch.Tensor]) -> None:
         flat = bucket.flat()
         flags = flat[bucket.numel :]
+        scale = self.grad_scale
+
+        def put(slot: torch.Tensor, grad: torch.Tensor) -> None:  # scaled while copied: one pass
+            if scale == 1.0:
+                slot.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=slot)
+
         for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
             slot = flat[off : off + p.numel()].view_as(p)
             key = id(p)
             if key in ready and key in fresh:
-                slot.copy_(fresh[key])
+                put(slot, fresh[key])
                 p.grad.sub_(fresh[key])  # back to the already-exchanged part; the fresh part is added below
                 flags[i] = 1
             elif p.grad is not None and (key in ready or self._local_pending):
-                slot.copy_(p.grad)
+                put(slot, p.grad)
                 flags[i] = 1
             else:
                 slot.zero_()
                 flags[i] = 0
-        flat[: bucket.numel].mul_(self.grad_scale)
 
     def _unpack(self, bucket: _Bucket, ready: set[int], fresh: dict[int, torch.Tensor]) -> None:
         flat = bucket.flat()
