@@ -304,6 +304,28 @@ class ParameterServerStrategy(Strategy):
         """Each server's counters: updates applied, duplicates ignored, version, finished workers."""
         return self.client.stats(ids=ids)
 
+    def evaluate_periodically(
+        self, fn: Callable[[], Any], *, interval: float = 10.0, max_evaluations: int | None = None
+    ) -> int:
+        """The evaluator sidecar: every ``interval`` seconds, pull the latest variables and call ``fn()``.
+
+        Meant for the ``evaluator`` task (it only reads, so killing or restarting it never affects
+        training; a restarted one simply goes on from the servers' current values). Returns the number
+        of evaluations when the servers stop (training ended) or after ``max_evaluations``.
+        """
+        count = 0
+        while max_evaluations is None or count < max_evaluations:
+            try:
+                self.pull()
+            except ParameterServerError:
+                break  # the chief stopped the servers: training is over
+            fn()
+            count += 1
+            if max_evaluations is not None and count >= max_evaluations:
+                break
+            time.sleep(interval)
+        return count
+
     def save_servers(self, directory: str | Path, *, step: int | None = None, keep: int = 3) -> Path:
         """Checkpoint every server's shards and optimizer state (the chief; atomic and verified).
 

@@ -27,9 +27,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def ps_job_env(num_workers: int, num_ps: int, *, extra_workers: int = 0) -> dict[int, dict[str, str]]:
-    """TF_CONFIG for each rank. ``extra_workers`` ranks at the end re-use worker task indices 1, 2, ...
-    (a restarted worker)."""
+def ps_job_env(
+    num_workers: int, num_ps: int, *, extra_workers: int = 0, evaluators: int = 0
+) -> dict[int, dict[str, str]]:
+    """TF_CONFIG for each rank: chief, workers, servers; then ``extra_workers`` ranks re-using worker
+    task indices 0, 1, ... (restarted workers), then ``evaluators`` ranks that are all evaluator task
+    0 (an evaluator and its restarts)."""
     ports = free_ports(num_workers + num_ps)
     addrs = [f"127.0.0.1:{p}" for p in ports]
     cluster = {"chief": addrs[:1], "ps": addrs[num_workers:]}
@@ -39,6 +42,7 @@ def ps_job_env(num_workers: int, num_ps: int, *, extra_workers: int = 0) -> dict
         [("chief", 0)] + [("worker", i) for i in range(num_workers - 1)] + [("ps", i) for i in range(num_ps)]
     )
     tasks += [("worker", i) for i in range(extra_workers)]
+    tasks += [("evaluator", 0)] * evaluators  # an evaluator, then its restarts
     return {
         rank: {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})}
         for rank, (role, index) in enumerate(tasks)
@@ -55,6 +59,7 @@ def run_ps_job(
     env: dict[str, str] | None = None,
     rank_env_extra: dict[int, dict[str, str]] | None = None,
     extra_workers: int = 0,
+    evaluators: int = 0,
     **options: Any,
 ) -> list:
     """Run ``fn(*args)`` on the training ranks while the ps ranks serve; returns every RankResult.
@@ -62,7 +67,7 @@ def run_ps_job(
     A rank that fails does not cut the others short (a failure test kills ranks on purpose): each
     rank has until ``timeout``.
     """
-    envs = ps_job_env(num_workers, num_ps, extra_workers=extra_workers)
+    envs = ps_job_env(num_workers, num_ps, extra_workers=extra_workers, evaluators=evaluators)
     for rank, values in (rank_env_extra or {}).items():
         envs[rank].update(values)
     return launch_ranks(
