@@ -234,3 +234,23 @@ def test_training_through_model_call_is_refused_with_guidance():
     strategy = spread.PipelineStrategy.__new__(spread.PipelineStrategy)  # no process group needed
     with pytest.raises(spread.errors.SpreadError, match="inference only"):
         strategy._pipelined_forward(lambda x: x, torch.randn(2, 2))
+
+
+# -- under `spread run` --------------------------------------------------------------------------------
+def test_example_under_spread_run_trains_and_reloads_in_one_process():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    argv = [str(Path(sys.executable).parent / "spread"), "run", "-n", "2", "examples/pipeline.py"]
+    out = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    match = re.search(r"val_accuracy (\S+); reloaded in one process: (\S+)", out.stdout)
+    assert match, out.stdout[-3000:]
+    assert float(match.group(1)) >= 0.95
+    assert match.group(1) == match.group(2)
