@@ -62,7 +62,7 @@ from spread.comm.algorithms.base import (
     segment_bounds,
 )
 from spread.comm.ops import Collectives
-from spread.errors import CollectiveTimeout
+from spread.errors import CollectiveTimeout, PeerLostError
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 PIECE_BYTES = 256 << 10  # summed and copied out while it is still in the core's cache
@@ -235,13 +235,21 @@ class ShmAllReduce(AllReduceAlgorithm):
         self._generation += 1
         generation, sock, arrived = self._generation, self._socket, self._arrived
         message = self.rank.to_bytes(2, "little")
-        for _, address in self._peer_addresses:
+        for peer, address in self._peer_addresses:
             while True:
                 try:
                     sock.sendto(message, socket.MSG_DONTWAIT, address)
                     break
                 except BlockingIOError:  # the peer's queue is full: take ours in meanwhile
                     self._receive(op, block=False)
+                except (ConnectionRefusedError, FileNotFoundError):  # its socket closed: it exited
+                    raise PeerLostError(
+                        self.rank,
+                        op,
+                        generation,
+                        f"rank {peer} is gone (its barrier socket is closed)",
+                        peer=peer,
+                    ) from None
         while any(arrived[k] < generation for k, _ in self._peer_addresses):
             self._receive(op, block=True)
 
