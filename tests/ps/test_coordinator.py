@@ -66,10 +66,12 @@ def _exactly_once_job(num_tasks: int, rejoin: bool) -> dict:
     first = [coordinator.schedule(_train_step, args=(iterator, i)) for i in range(num_tasks)]
     coordinator.join()
     second = []
+    rejoin_seconds = float("nan")
     if rejoin:
         deadline = time.monotonic() + 120
         while coordinator.stats()["sessions"] < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
+        rejoin_seconds = time.time() - os.path.getmtime(os.environ["SPREAD_TEST_MARKER"])
         second = [coordinator.schedule(_train_step, args=(iterator, num_tasks + i)) for i in range(num_tasks)]
         coordinator.join()
     results = [v.fetch() for v in first + second]
@@ -86,6 +88,7 @@ def _exactly_once_job(num_tasks: int, rejoin: bool) -> dict:
         "servers": server_stats,
         "coordinator": coordinator_stats,
         "worker_pids": len({r["pid"] for r in results}),
+        "rejoin_seconds": rejoin_seconds,
         "leftover_threads": leftover_threads,
         "chief_sockets": len(listening),
     }
@@ -108,6 +111,12 @@ def test_worker_sigkilled_mid_step_every_step_applied_exactly_once(tmp_path):
     for r in results[:1] + results[2:]:
         assert r.ok, r.describe()
     chief = results[0].value
+    print(
+        f"P1/P2/P7 figures: coordinator {chief['coordinator']}, duplicates per server "
+        f"{[s['duplicates'] for s in chief['servers']]}, applied per server "
+        f"{[s['applied'] for s in chief['servers']]}, rejoin seconds {chief['rejoin_seconds']:.1f}, "
+        f"threads left {chief['leftover_threads']}, chief sockets {chief['chief_sockets']}"
+    )
     assert chief["tasks"] == list(range(2 * n))  # nothing lost, each result once
     step_ids = [s["applied_ids"] for s in chief["servers"]]
     for ids in step_ids:
@@ -147,6 +156,7 @@ def test_dead_parameter_server_is_named_within_the_timeout():
     chief = results[0].value
     assert results[0].ok, results[0].describe()
     assert results[3].exitcode == -signal.SIGKILL
+    print(f"P3 figures: detected in {chief['seconds']:.2f}s: {chief['error']}")
     assert f"parameter server 1 ({chief['address']})" in chief["error"], chief
     assert chief["seconds"] < 20  # the call timeout
 

@@ -6,6 +6,7 @@ import socket
 import struct
 import threading
 
+import psutil
 import pytest
 import torch
 
@@ -75,6 +76,7 @@ def _raw_connection(address: str, token: str) -> socket.socket:
 
 
 def test_ten_gib_declared_frame_is_refused_and_server_keeps_serving(server):
+    rss_before = psutil.Process().memory_info().rss
     sock = _raw_connection(server.address, TOKEN)
     sock.sendall(struct.pack("<H", 4) + b"echo" + struct.pack("<Q", 10 << 30))
     status, length = struct.unpack("<BQ", sock.recv(9, socket.MSG_WAITALL))
@@ -82,6 +84,9 @@ def test_ten_gib_declared_frame_is_refused_and_server_keeps_serving(server):
     assert status == 2 and "over the limit" in message
     assert sock.recv(1) == b""  # the connection is dropped
     sock.close()
+    growth = psutil.Process().memory_info().rss - rss_before
+    print(f"S5 figures: RSS growth after a 10 GiB claim {growth / 1e6:.1f} MB")
+    assert growth < 64e6  # nothing near the claimed size was allocated
     client = RpcClient(server.address, peer="test server", token=TOKEN)
     assert client.call("echo", {"alive": True})[0] == {"seen": {"alive": True}}
     client.close()

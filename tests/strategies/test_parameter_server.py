@@ -40,6 +40,7 @@ def test_sync_mode_equals_one_device(optimizer_name):
     results = _run(_sync_worker, 2, 2, optimizer_name)
     for rank in (0, 1):
         diff = max_relative_difference(results[rank].value, reference)
+        print(f"P5 figures: {optimizer_name}, rank {rank}: max relative difference {diff:.2e}")
         assert diff <= TOLERANCE, f"rank {rank}: max relative difference {diff:.2e}"
 
 
