@@ -594,9 +594,8 @@ def test_r7_all_ranks_die_at_once_is_one_failure_per_attempt_and_no_orphans(tmp_
     assert {e["attempt"] for e in run.events("CHAOS")} == {0, 1}
     assert run.log.count("restarting (attempt") == 1  # one restart per attempt, not one per dead rank
     assert "gave up after 2 attempts" in run.log
-    print(
-        "FIGURES", json.dumps({"attempts": run.attempts(), "exit": run.code, "wall_s": round(run.seconds, 1)})
-    )
+    figures = {"attempts": run.attempts(), "exit": run.code, "self_killed": len(run.events("CHAOS"))}
+    print("FIGURES", json.dumps({**figures, "wall_s": round(run.seconds, 1)}))
 
 
 def test_s4_every_listener_during_default_training_is_on_loopback(uninterrupted):
