@@ -433,8 +433,20 @@ def _launch(
     match = re.search(r"WEIGHTS (.*)", out.stdout)
     run.weights = [float(v) for v in match.group(1).split()] if match else []
     _assert_ranks_gone(run)
+    _assert_listeners_gone(run)
     _assert_token_never_leaked(run)
     return run
+
+
+def _assert_listeners_gone(run: Run) -> None:
+    """No socket the ranks listened on (store, gloo) is still listening once spread run returned."""
+    ports = {int(a.rsplit(":", 1)[1]) for e in run.events("LISTEN") for a in json.loads(e["addrs"])}
+    still = [
+        c.laddr
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port in ports
+    ]
+    assert not still, f"listening sockets left behind: {still}"
 
 
 def _assert_ranks_gone(run: Run) -> None:
