@@ -190,3 +190,34 @@ def _rank_bad_options() -> list[str]:
 def test_strategy_rejects_unknown_communication_and_compression():
     messages = run_ranks(_rank_bad_options, 1, timeout=60)[0]
     assert "carrier_pigeon" in messages[0] and "shm" in messages[0] and "int4" in messages[1]
+
+
+def _rank_async_out_of_order_waits() -> dict:
+    rdv = rendezvous(resolve_cluster())
+    try:
+        collectives = Collectives()
+        rank, out = collectives.rank, {}
+        for name in ALGORITHMS:
+            algo = make_algorithm(name, collectives)
+            try:
+                sizes = (5, 100_003, 17)
+                bufs = [algo.allocate(n, torch.float32) for n in sizes]
+                for i, buf in enumerate(bufs):
+                    buf.fill_(float(10 * i + rank + 1))
+                pending = [algo.all_reduce_async(buf) for buf in bufs]
+                for p in reversed(pending):  # waited in the opposite order to the calls
+                    p.wait()
+                out[name] = [sorted(set(buf.tolist())) for buf in bufs]
+            finally:
+                algo.close()
+        return out
+    finally:
+        rdv.close()
+
+
+def test_async_calls_complete_whatever_the_wait_order():
+    per_rank = run_ranks(_rank_async_out_of_order_waits, 2, timeout=120)
+    for out in per_rank:
+        for name, values in out.items():
+            # rank 0 holds 10i+1, rank 1 holds 10i+2: the sum is 20i+3 everywhere
+            assert values == [[3.0], [23.0], [43.0]], name
