@@ -3,6 +3,7 @@ activation memory and step time with no memory tool, activation checkpointing, a
 gradient accumulation, all in the same run.
 
     flock /tmp/spread-bench.lock python benchmarks/memory.py [--reps 5] [--steps 3] [--threads 2]
+        [--clock wall|cpu]
 
 Memory, two measures of one training step:
 
@@ -15,7 +16,10 @@ Memory, two measures of one training step:
 
 Time: median step time (forward, backward, AdamW) over ``reps`` repetitions of ``steps`` steps after
 2 warm-up steps, the configurations interleaved repetition by repetition so that load drifts hit them
-alike. W2's largest activations are its logits (2,048 tokens x 8,192 = 64 MiB per copy), which block
+alike. ``--clock cpu`` times with the process's CPU time instead of the wall clock: with
+``--threads 1`` that is the compute cost, much less sensitive to other jobs on a shared machine.
+
+W2's largest activations are its logits (2,048 tokens x 8,192 = 64 MiB per copy), which block
 checkpointing does not touch; ``checkpoint_chunks`` computes the head and loss in checkpointed token
 slices. Offload on a CPU keeps the tensors where they are: there the row shows only the cost of the
 hooks; its memory effect needs a GPU.
@@ -170,6 +174,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -179,6 +184,7 @@ def main() -> None:
     memory = {c: measure_memory(c, device, data[0]) for c in args.configs}
     steps = {c: build(c, device)[1] for c in args.configs}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for c in args.configs:
         for i in range(2):
             steps[c](data[i])
@@ -186,15 +192,15 @@ def main() -> None:
     for _ in range(args.reps):
         for c in args.configs:
             sync()
-            start = time.perf_counter()
+            start = clock()
             for i in range(args.steps):
                 steps[c](data[i % len(data)])
             sync()
-            times[c].append((time.perf_counter() - start) / args.steps)
+            times[c].append((clock() - start) / args.steps)
 
     print(
         f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"device {device}, {args.threads} threads, {args.reps} reps x {args.steps} steps"
+        f"device {device}, {args.threads} threads, {args.reps} reps x {args.steps} steps, {args.clock} clock"
     )
     base_peak = memory["none"]["peak_mib"] if "none" in memory else None
     base_time = statistics.median(times["none"]) if "none" in times else None
