@@ -2,6 +2,8 @@
 
 Candidates, each with its server in a second process (1 thread each):
   socket    spread.ps.transport: framed TCP, HMAC token handshake, spread.ps.wire frames (chosen)
+  spread-grpc spread.ps.grpc_transport: the same API as spread.ps.transport on grpcio (generic
+            handlers, wire frames as raw bytes, HMAC token proof in the call metadata)
   grpc      grpcio generic handlers with raw-bytes (de)serializers carrying the same wire frames and
             a token proof in the call metadata (no protobuf codegen, no pickle)
   torch_rpc torch.distributed.rpc with TensorPipe (pickles Python arguments: not allowed for spread)
@@ -73,6 +75,33 @@ def bench_socket(reps: int, calls: int) -> dict[str, list[float]]:
 
     token = secrets.token_hex(8)
     with _server_process(_socket_server, token) as (address, _):
+        client = RpcClient(address, peer="bench server", token=token)
+        x = torch.randn(NUMEL)
+        out = _time_ops(_client_ops(lambda m, meta, t: client.call(m, meta, t), x), reps, calls)
+        client.close()
+    return out
+
+
+# -- spread's gRPC transport ----------------------------------------------------------------------
+def _spread_grpc_server(token: str, conn) -> None:
+    _threads()
+    import torch
+
+    from spread.ps.grpc_transport import RpcServer
+
+    server = RpcServer("bench", _handlers(torch.randn(NUMEL)), token=token).start()
+    conn.send(server.address)
+    conn.recv()  # until the client is done
+    server.stop()
+
+
+def bench_spread_grpc(reps: int, calls: int) -> dict[str, list[float]]:
+    import torch
+
+    from spread.ps.grpc_transport import RpcClient
+
+    token = secrets.token_hex(8)
+    with _server_process(_spread_grpc_server, token) as (address, _):
         client = RpcClient(address, peer="bench server", token=token)
         x = torch.randn(NUMEL)
         out = _time_ops(_client_ops(lambda m, meta, t: client.call(m, meta, t), x), reps, calls)
@@ -230,10 +259,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--only", choices=["socket", "grpc", "torch_rpc"], default=None)
+    ap.add_argument("--only", choices=["socket", "spread-grpc", "grpc", "torch_rpc"], default=None)
     a = ap.parse_args()
     _threads()
-    runs = {"socket": bench_socket, "grpc": bench_grpc, "torch_rpc": bench_torch_rpc}
+    runs = {
+        "socket": bench_socket,
+        "spread-grpc": bench_spread_grpc,
+        "grpc": bench_grpc,
+        "torch_rpc": bench_torch_rpc,
+    }
     print(f"4 MB float32; {a.reps} reps x {a.calls} calls; median (min-max) ms per call; payload GB/s")
     for name, fn in runs.items():
         if a.only and name != a.only:
@@ -243,7 +277,7 @@ def main() -> None:
             med = statistics.median(times)
             payload = 4 * NUMEL * {"echo": 2, "ping": 0}.get(op, 1)
             print(
-                f"{name:10s} {op:5s} {med:7.2f} ms ({min(times):.2f}-{max(times):.2f})  "
+                f"{name:11s} {op:5s} {med:7.2f} ms ({min(times):.2f}-{max(times):.2f})  "
                 f"{payload / med / 1e6:5.2f} GB/s"
             )
 
