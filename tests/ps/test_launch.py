@@ -46,6 +46,17 @@ def test_spread_run_starts_every_role_and_stops_the_servers(tmp_path):
     assert "[chief 0] finished chief 0" in done.stdout
 
 
+def test_example_with_the_coordinator_under_spread_run():
+    cmd = [sys.executable, "-m", "spread.cli.main", "run", "--workers", "2", "--ps", "2"]
+    cmd += ["examples/parameter_server.py", "--coordinator", "--epochs", "5"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "'scheduled': 109, 'completed': 109" in done.stdout
+    accuracy = float(done.stdout.split("validation accuracy ")[1].split(";")[0])
+    assert accuracy >= 0.85, done.stdout
+    assert "updates applied per server: [109, 109]" in done.stdout
+
+
 def test_ps_job_config():
     config = LaunchConfig(entrypoint="x.py", workers=2, ps=1, evaluator=True)
     assert config.nproc == 5
