@@ -19,6 +19,11 @@ Modes: ``"async"`` (default) applies each worker's push on arrival; ``"sync"`` w
 training worker's share of step ``t`` (weighted by its sample count) and applies one update, the same
 as one device on the global batch; ``max_staleness=k`` (async) holds back a worker that is more than
 ``k`` steps ahead of the slowest unfinished one.
+
+Data: ``distribute_dataset`` splits each global batch over the training tasks in both modes (each
+task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
+``reduce`` and ``gather`` are local: training tasks never wait for each other, so logs (and
+``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) stay local.
 """
 
 from __future__ import annotations
@@ -270,7 +275,7 @@ class ParameterServerStrategy(Strategy):
         if get_replica_context() is not None:
             raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
         self._weight = self._replica_weights()[0] if self.mode == "sync" else 1.0
-        replica = max(self.rank, 0)
+        replica = max(self.rank, 0) if self.mode == "sync" else 0
         _set_replica_context(ReplicaContext(self, replica, self.num_replicas_in_sync, self._weight))
         try:
             return fn(*args, **(kwargs or {}))
