@@ -5,9 +5,10 @@
 
 A deep MLP (8 x Linear 1024-1024 + ReLU, then Linear 1024-10; equal layers, so the balanced split
 gives equal stages), global batch 256, split into S=2 stages (one process and one thread each, the
-2 cores of the machine). For each M, every stage records the wall time of each training step and
-the part of it spent in forward and backward (``PipelineStrategy(record_times=True)``); idle =
-1 - compute / step time, the median over ``steps`` steps after 2 warm-up steps. The bound assumes
+2 cores of the machine). For each M, every step starts after a barrier and ends with the loss
+all-reduce, so all stages share one window (optimizer step excluded); each stage records the part
+of it spent in forward and backward (``PipelineStrategy(record_times=True)``); idle =
+1 - compute / window, the median over ``steps`` steps after 2 warm-up steps. The bound assumes
 equal stage times and free communication; measured idle also contains transfers and imbalance.
 """
 
@@ -18,6 +19,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 import torch
 from torch import nn
@@ -50,12 +52,14 @@ def worker(
                 idle, step_time = [], []
                 for i in range(steps + 2):
                     optimizer.zero_grad(set_to_none=True)
-                    strategy.train_step(model, x, y, loss_fn)
+                    strategy.world.barrier()  # every stage starts the step together
+                    started = time.perf_counter()
+                    strategy.train_step(model, x, y, loss_fn)  # ends in an all-reduce: together again
+                    span = time.perf_counter() - started
                     optimizer.step()
                     if i >= 2:
-                        t = strategy.last_step_times
-                        idle.append(t.idle_fraction)
-                        step_time.append(t.total)
+                        idle.append(1.0 - strategy.last_step_times.compute / span)
+                        step_time.append(span)
                 out[(schedule, m)] = (statistics.median(idle), statistics.median(step_time))
         return {"stage": strategy.stage, "results": out, "bounds": strategy.stage_bounds}
     finally:

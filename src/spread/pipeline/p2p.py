@@ -5,20 +5,24 @@ micro-batches may differ in size and stages need not know each other's output sh
 need no header: they have the shape of the activation they belong to, which both sides know.
 
 Sends are non-blocking (``isend``): the stage goes on computing while the message travels, and
-:meth:`StageLink.wait_sends` completes them at the end of a step. Receives block, with the process
-group's deadline. Every failure becomes a :class:`~spread.errors.CollectiveError` naming this rank,
-the operation (``recv_act[mb 3]``), its sequence number and the peer rank.
+:meth:`StageLink.wait_sends` completes them at the end of a step. With a ``key`` that fixes the
+shape (the runtime uses the pipeline input's shape), the header goes only once per key, and the
+receiver posts its receive ahead (``prefetch_*``, ``irecv``) so the transfer overlaps its compute.
+Receives complete under the process group's deadline. Every failure becomes a
+:class:`~spread.errors.CollectiveError` naming this rank, the operation (``recv_act[mb 3]``), its
+sequence number and the peer rank.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 
 import torch
 import torch.distributed as dist
 
 from spread.comm.ops import classify_error
-from spread.errors import CollectiveError
+from spread.errors import CollectiveError, SpreadError
 
 HEADER_LEN = 8  # dtype code, requires_grad, ndim, up to 5 dims
 MAX_DIMS = HEADER_LEN - 3
@@ -72,6 +76,10 @@ class StageLink:
         self._header_device = device if device.type == "cuda" else torch.device("cpu")
         self._seq = itertools.count()
         self._sends: list[tuple[dist.Work, torch.Tensor, str, int, int]] = []
+        self._sent_meta: dict[Hashable, tuple] = {}  # key -> (dtype, requires_grad, shape) sent
+        self._recv_meta: dict[Hashable, tuple] = {}  # key -> the same, received
+        self._posted_acts: dict[int, tuple[_PendingRecv, torch.Tensor, bool]] = {}
+        self._posted_grads: dict[int, tuple[_PendingRecv, torch.Tensor]] = {}
 
     def _fail(self, op: str, seq: int, peer: int, exc: BaseException) -> CollectiveError:
         err = classify_error(self.rank, op, seq, exc)
@@ -85,6 +93,15 @@ class StageLink:
             raise self._fail(op, seq, peer, exc) from exc
         self._sends.append((work, tensor, op, seq, peer))
 
+    def _irecv(self, tensor: torch.Tensor, peer: int | None, op: str) -> _PendingRecv:
+        assert peer is not None
+        seq = next(self._seq)
+        try:
+            work = dist.irecv(tensor, src=peer, group=self.group)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._fail(op, seq, peer, exc) from exc
+        return _PendingRecv(self, work, op, seq, peer)
+
     def _recv(self, tensor: torch.Tensor, peer: int, op: str) -> torch.Tensor:
         seq = next(self._seq)
         try:
@@ -94,22 +111,63 @@ class StageLink:
         return tensor
 
     # -- activations (forward direction) ---------------------------------------------------------
-    def send_activation(self, tensor: torch.Tensor, microbatch: int) -> None:
+    def send_activation(self, tensor: torch.Tensor, microbatch: int, key: Hashable = None) -> None:
+        """Send an activation; its header only the first time ``key`` is seen (``None``: always).
+
+        ``key`` must determine the activation's dtype and shape (the runtime uses the shape of the
+        micro-batch's input to the whole pipeline, known to every stage): then both sides know the
+        shape of later messages, and the receiver can post its receive before the data is ready.
+        """
         assert self.next_rank is not None, "the last stage sends no activations"
         data = tensor.detach().contiguous()
-        self._isend(
-            encode_header(data, tensor.requires_grad).to(self._header_device),
-            self.next_rank,
-            f"send_act_header[mb {microbatch}]",
-        )
+        meta = (data.dtype, bool(tensor.requires_grad), tuple(data.shape))
+        known = self._sent_meta.get(key) if key is not None else None
+        if known is None:
+            header = encode_header(data, tensor.requires_grad).to(self._header_device)
+            self._isend(header, self.next_rank, f"send_act_header[mb {microbatch}]")
+            if key is not None:
+                self._sent_meta[key] = meta
+        elif known != meta:
+            raise SpreadError(
+                f"rank {self.rank}: micro-batch {microbatch}'s activation is {meta}, but an earlier "
+                f"micro-batch with the same input shape gave {known}; pipeline stages must produce "
+                f"shapes that depend only on the input's shape"
+            )
         self._isend(data, self.next_rank, f"send_act[mb {microbatch}]")
 
-    def recv_activation(self, microbatch: int) -> tuple[torch.Tensor, bool]:
+    def prefetch_activation(self, microbatch: int, key: Hashable) -> bool:
+        """Post the receive of ``microbatch``'s activation now, when ``key``'s shape is known.
+
+        Call it only for the next activation in order (receives are matched in posting order).
+        """
+        meta = self._recv_meta.get(key) if key is not None else None
+        if meta is None or microbatch in self._posted_acts:
+            return False
+        dtype, requires_grad, shape = meta
+        data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._posted_acts[microbatch] = (
+            self._irecv(data, self.prev_rank, f"recv_act[mb {microbatch}]"),
+            data,
+            requires_grad,
+        )
+        return True
+
+    def recv_activation(self, microbatch: int, key: Hashable = None) -> tuple[torch.Tensor, bool]:
         """The next activation from the previous stage, and whether it wants a gradient back."""
         assert self.prev_rank is not None, "the first stage receives no activations"
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
-        self._recv(header, self.prev_rank, f"recv_act_header[mb {microbatch}]")
-        dtype, requires_grad, shape = decode_header(header.cpu())
+        posted = self._posted_acts.pop(microbatch, None)
+        if posted is not None:
+            pending, data, requires_grad = posted
+            pending.wait()
+            return data, requires_grad
+        meta = self._recv_meta.get(key) if key is not None else None
+        if meta is None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
+            self._recv(header, self.prev_rank, f"recv_act_header[mb {microbatch}]")
+            meta = decode_header(header.cpu())
+            if key is not None:
+                self._recv_meta[key] = meta
+        dtype, requires_grad, shape = meta
         data = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv(data, self.prev_rank, f"recv_act[mb {microbatch}]")
         return data, requires_grad
@@ -119,10 +177,27 @@ class StageLink:
         assert self.prev_rank is not None, "the first stage sends no gradients"
         self._isend(grad.detach().contiguous(), self.prev_rank, f"send_grad[mb {microbatch}]")
 
+    def prefetch_grad(self, like: torch.Tensor, microbatch: int) -> None:
+        """Post the receive of ``microbatch``'s output gradient now (call in micro-batch order)."""
+        if microbatch in self._posted_grads:
+            return
+        grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        self._posted_grads[microbatch] = (
+            self._irecv(grad, self.next_rank, f"recv_grad[mb {microbatch}]"),
+            grad,
+        )
+
     def recv_grad(self, like: torch.Tensor, microbatch: int) -> torch.Tensor:
         assert self.next_rank is not None, "the last stage receives no gradients"
+        posted = self._posted_grads.pop(microbatch, None)
+        if posted is not None:
+            posted[0].wait()
+            return posted[1]
         grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         return self._recv(grad, self.next_rank, f"recv_grad[mb {microbatch}]")
+
+    def has_posted(self) -> bool:
+        return bool(self._posted_acts or self._posted_grads)
 
     def wait_sends(self) -> None:
         """Complete every send started so far (their buffers may be reused afterwards)."""
@@ -132,3 +207,16 @@ class StageLink:
                 work.wait()
             except (RuntimeError, dist.DistError) as exc:
                 raise self._fail(op, seq, peer, exc) from exc
+
+
+class _PendingRecv:
+    """A posted receive; ``wait()`` raises the same named errors as a blocking one."""
+
+    def __init__(self, link: StageLink, work: dist.Work, op: str, seq: int, peer: int) -> None:
+        self.link, self.work, self.op, self.seq, self.peer = link, work, op, seq, peer
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except (RuntimeError, dist.DistError) as exc:
+            raise self.link._fail(self.op, self.seq, self.peer, exc) from exc

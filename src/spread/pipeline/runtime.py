@@ -65,7 +65,9 @@ class StageRunner:
         on_loss: OnLoss | None = None,
     ) -> None:
         """One mini-batch: ``inputs`` (first stage) and ``targets`` (last stage) are per micro-batch;
-        ``weights[i]`` is micro-batch i's share of the global batch. Gradients accumulate in ``.grad``."""
+        ``weights[i]`` is micro-batch i's share of the global batch. Gradients accumulate in ``.grad``.
+        Every stage should pass the micro-batches' pipeline inputs (their shapes key the transfers,
+        see :mod:`spread.pipeline.p2p`); only the first stage computes on them."""
         num_backward = sum(1 for a in actions if a.op is Op.BACKWARD)
         done_backward = 0
         received: dict[int, torch.Tensor] = {}
@@ -75,13 +77,24 @@ class StageRunner:
         losses: dict[int, torch.Tensor] = {}
         times = StepTimes()
         started = time.perf_counter()
+        keys = _shape_keys(inputs, len(weights))
+        recv_order = [a.microbatch for a in actions if a.op is Op.RECV_ACT]
+        if recv_order:  # post the first receive now when its shape is known from an earlier step
+            self.link.prefetch_activation(recv_order[0], keys[recv_order[0]])
+        received_count = 0
         for a in actions:
             i = a.microbatch
             if a.op is Op.RECV_ACT:
-                data, wants_grad[i] = self.link.recv_activation(i)
+                data, wants_grad[i] = self.link.recv_activation(i, keys[i])
                 received[i] = data.requires_grad_(wants_grad[i])
+                received_count += 1
+                if received_count < len(recv_order):  # overlap the next transfer with this compute
+                    nxt = recv_order[received_count]
+                    self.link.prefetch_activation(nxt, keys[nxt])
             elif a.op is Op.SEND_ACT:
-                self.link.send_activation(outputs[i], i)
+                self.link.send_activation(outputs[i], i, keys[i])
+                if outputs[i].requires_grad:  # its gradient may arrive while we compute others
+                    self.link.prefetch_grad(outputs[i], i)
             elif a.op is Op.RECV_GRAD:
                 if outputs[i].requires_grad:
                     grads[i] = self.link.recv_grad(outputs[i], i)
@@ -138,3 +151,10 @@ class StageRunner:
         times.compute += t1 - t0
         if self.record:
             times.per_action.append((repr(action), t0, t1))
+
+
+def _shape_keys(inputs: Sequence[Any] | None, count: int) -> list[Any]:
+    """Per micro-batch, what fixes the shapes of every activation: the pipeline input's shape."""
+    if inputs is None or len(inputs) != count:
+        return [None] * count
+    return [("train", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in inputs]
