@@ -94,10 +94,11 @@ def _exactly_once_job(num_tasks: int, rejoin: bool) -> dict:
     }
 
 
-def test_worker_sigkilled_mid_step_every_step_applied_exactly_once(tmp_path):
+@pytest.mark.parametrize("transport", ["socket", "grpc"])
+def test_worker_sigkilled_mid_step_every_step_applied_exactly_once(tmp_path, transport):
     marker = str(tmp_path / "killed")
     n = 24
-    env = {"SPREAD_TEST_MARKER": marker, "SPREAD_TEST_TASK_SECONDS": "0.1"}
+    env = {"SPREAD_TEST_MARKER": marker, "SPREAD_TEST_TASK_SECONDS": "0.1", "SPREAD_PS_TRANSPORT": transport}
     results = run_ps_job(
         _exactly_once_job,
         3,

@@ -18,10 +18,10 @@ TOKEN = "server-test-token"
 SGD = {"type": "sgd", "lr": 1.0, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}
 
 
-@pytest.fixture
-def cluster():
-    servers = [ParameterServer(i, token=TOKEN).start() for i in range(2)]
-    client = PSClient([s.address for s in servers], token=TOKEN, timeout=10)
+@pytest.fixture(params=["socket", "grpc"])
+def cluster(request):
+    servers = [ParameterServer(i, token=TOKEN, transport=request.param).start() for i in range(2)]
+    client = PSClient([s.address for s in servers], token=TOKEN, timeout=10, transport=request.param)
     variables = [VariableInfo("a", (4,), torch.float32), VariableInfo("b", (3,), torch.float32)]
     placement = place(variables, 2)
     yield servers, client, placement

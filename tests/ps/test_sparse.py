@@ -15,10 +15,10 @@ ROWS, DIM = 100_000, 16
 ROW_BYTES = DIM * 4
 
 
-@pytest.fixture
-def job(monkeypatch):
+@pytest.fixture(params=["socket", "grpc"])
+def job(monkeypatch, request):
     monkeypatch.setenv("SPREAD_JOB_TOKEN", TOKEN)
-    servers = [ParameterServer(i, token=TOKEN).start() for i in range(2)]
+    servers = [ParameterServer(i, token=TOKEN, transport=request.param).start() for i in range(2)]
     spec = ClusterSpec(
         role="chief",
         task_index=0,
@@ -27,7 +27,7 @@ def job(monkeypatch):
         cluster={"chief": ["127.0.0.1:1"], "ps": [s.address for s in servers]},
         source="tf_config",
     )
-    strategy = spread.ParameterServerStrategy(cluster=spec)
+    strategy = spread.ParameterServerStrategy(cluster=spec, transport=request.param)
     yield strategy
     strategy.wait_for_workers_on_close = False
     strategy.close()

@@ -18,6 +18,7 @@ import torch
 from spread.errors import ParameterServerError
 from spread.ps.placement import Placement
 from spread.ps.transport import Message, RpcClient
+from spread.ps.transports import rpc_module
 from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_TIMEOUT = 60.0
@@ -33,12 +34,15 @@ class PSClient:
         timeout: deadline of each call in seconds; a dead server is reported within it, named.
     """
 
-    def __init__(self, addresses: list[str], *, token: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, addresses: list[str], *, token: str, timeout: float = DEFAULT_TIMEOUT, transport: str = "socket"
+    ) -> None:
         if not addresses:
             raise ValueError("a parameter-server job needs at least one server address")
         self.timeout = timeout
+        client_type = rpc_module(transport).RpcClient
         self.clients = [
-            RpcClient(
+            client_type(
                 address,
                 peer=f"parameter server {i} ({address})",
                 token=token,

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from spread.errors import SpreadError
-from spread.ps.transport import CallContext, Message, RequestRefused, RpcClient, RpcServer
+from spread.ps.transport import CallContext, Message
+from spread.ps.transports import rpc_module
 from spread.ps.wire import Tensors
 
 DEFAULT_WORKER_TIMEOUT = 300.0
@@ -117,6 +118,7 @@ class ClusterCoordinator:
         self.role = cluster.role
         self.worker_timeout = worker_timeout
         self._token = strategy.job_token
+        self._rpc = rpc_module(getattr(strategy, "transport", "socket"))
         self._dataset_builders: list[Callable[[], Iterable[Any]] | Iterable[Any]] = []
         self._closed = False
         if self.role == "chief":
@@ -131,7 +133,7 @@ class ClusterCoordinator:
             self.scheduled = self.completed = self.rescheduled = self.workers_lost = 0
             self.sessions: collections.Counter[int] = collections.Counter()
             strategy.wait_for_workers_on_close = False  # workers finish when this coordinator says so
-            self._server = RpcServer(
+            self._server = self._rpc.RpcServer(
                 "coordinator (chief)",
                 {"report": self._report},
                 stream_handlers={"session": self._session},
@@ -303,7 +305,7 @@ class ClusterCoordinator:
         with self._lock:
             task = self._tasks.get(int(meta["id"]))
             if task is None:
-                raise RequestRefused(f"unknown task {meta['id']}")
+                raise self._rpc.RequestRefused(f"unknown task {meta['id']}")
             if not task.value.done():  # a re-run's report after the first one counts once
                 value = _decode(meta.get("result"), tensors) if meta.get("ok") else None
                 task.value._set(value, None if meta.get("ok") else str(meta.get("error")))
@@ -315,7 +317,7 @@ class ClusterCoordinator:
     def _serve(self) -> None:
         """Run the chief's tasks until told to stop, then end this worker process."""
         strategy = self.strategy
-        client = RpcClient(
+        client = self._rpc.RpcClient(
             self.chief_address,
             peer=f"the chief (coordinator at {self.chief_address})",
             token=self._token,
@@ -335,7 +337,7 @@ class ClusterCoordinator:
         strategy.close()
         raise SystemExit(0)
 
-    def _run_task(self, client: RpcClient, meta: dict, tensors: Tensors, iterators: dict) -> None:
+    def _run_task(self, client: Any, meta: dict, tensors: Tensors, iterators: dict) -> None:
         strategy = self.strategy
         ok, error, result_meta, result_tensors = True, None, None, {}
         try:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from spread.ps.optimizers import ServerOptimizer
-from spread.ps.transport import RequestRefused, RpcServer
+from spread.ps.transports import rpc_module
 from spread.ps.wire import Tensors
 
 MODES = ("async", "sync")
@@ -35,7 +35,9 @@ DEFAULT_WAIT = 300.0
 class ParameterServer:
     """One server task. Start with :meth:`start`; :meth:`serve_until_stopped` blocks for the ``ps`` role."""
 
-    def __init__(self, index: int, *, token: str, address: str | None = None) -> None:
+    def __init__(
+        self, index: int, *, token: str, address: str | None = None, transport: str = "socket"
+    ) -> None:
         self.index = index
         self.name = f"parameter server {index}"
         self.variables: dict[str, torch.Tensor] = {}
@@ -52,7 +54,9 @@ class ParameterServer:
         self._done: set[int] = set()
         self._cond = threading.Condition()
         self._stop_requested = threading.Event()
-        self.rpc = RpcServer(
+        rpc = rpc_module(transport)
+        self._refused = rpc.RequestRefused  # how a handler refuses a request on this transport
+        self.rpc = rpc.RpcServer(
             self.name,
             {
                 "create": self._create,
@@ -89,7 +93,7 @@ class ParameterServer:
             if config:
                 mode = config.get("mode", "async")
                 if mode not in MODES:
-                    raise RequestRefused(f"mode must be one of {MODES}, got {mode!r}")
+                    raise self._refused(f"mode must be one of {MODES}, got {mode!r}")
                 self.mode = mode
                 self.num_workers = int(config.get("num_workers", 1))
                 staleness = config.get("max_staleness")
@@ -123,7 +127,7 @@ class ParameterServer:
         while missing := [n for n in names if n not in self.variables]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RequestRefused(f"variables {missing[:5]} were not created within {timeout:g}s (chief?)")
+                raise self._refused(f"variables {missing[:5]} were not created within {timeout:g}s (chief?)")
             self._cond.wait(remaining)
 
     def _read(self, names: list[str], tensors: Tensors) -> Tensors:
@@ -131,7 +135,7 @@ class ParameterServer:
         for name in names:
             var = self.variables.get(name)
             if var is None:
-                raise RequestRefused(f"unknown variable {name!r}")
+                raise self._refused(f"unknown variable {name!r}")
             rows = tensors.get(f"{name}:rows")
             if rows is None:
                 out[name] = var.clone()
@@ -146,28 +150,27 @@ class ParameterServer:
             self._wait_for_variables(names, float(meta.get("wait", 0.0)))
             return {"version": self.version}, self._read(names, tensors)
 
-    @staticmethod
-    def _check_rows(name: str, rows: torch.Tensor, var: torch.Tensor) -> None:
+    def _check_rows(self, name: str, rows: torch.Tensor, var: torch.Tensor) -> None:
         if rows.dtype != torch.int64 or rows.dim() != 1:
-            raise RequestRefused(f"rows of {name!r} must be a 1-D int64 tensor")
+            raise self._refused(f"rows of {name!r} must be a 1-D int64 tensor")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= var.shape[0]):
-            raise RequestRefused(f"rows of {name!r} out of range [0, {var.shape[0]})")
+            raise self._refused(f"rows of {name!r} out of range [0, {var.shape[0]})")
 
     def _check_push(self, meta: dict[str, Any], tensors: Tensors) -> None:
         if self.optimizer is None:
             spec = meta.get("optimizer")
             if not spec:
-                raise RequestRefused("no optimizer configured; the first push must carry its spec")
+                raise self._refused("no optimizer configured; the first push must carry its spec")
             self.optimizer = ServerOptimizer(spec)
         elif meta.get("optimizer"):
             try:
                 self.optimizer.check_same_kind(meta["optimizer"])
             except ValueError as exc:
-                raise RequestRefused(str(exc)) from None
+                raise self._refused(str(exc)) from None
         for key in meta.get("dense", []):
             var, grad = self.variables.get(key), tensors.get(key)
             if var is None or grad is None or grad.shape != var.shape:
-                raise RequestRefused(f"dense gradient for {key!r} missing or of the wrong shape")
+                raise self._refused(f"dense gradient for {key!r} missing or of the wrong shape")
         for key in meta.get("sparse", []):
             var, rows, values = (
                 self.variables.get(key),
@@ -175,10 +178,10 @@ class ParameterServer:
                 tensors.get(f"{key}:values"),
             )
             if var is None or rows is None or values is None:
-                raise RequestRefused(f"sparse gradient for {key!r} incomplete")
+                raise self._refused(f"sparse gradient for {key!r} incomplete")
             self._check_rows(key, rows, var)
             if values.shape != (rows.numel(), *var.shape[1:]):
-                raise RequestRefused(f"sparse values for {key!r} have shape {tuple(values.shape)}")
+                raise self._refused(f"sparse values for {key!r} have shape {tuple(values.shape)}")
 
     def _apply(self, meta: dict[str, Any], tensors: Tensors) -> None:
         hyper = meta.get("optimizer") or self.optimizer.spec  # type: ignore[union-attr]
@@ -229,7 +232,7 @@ class ParameterServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.num_workers)) - set(self._pending.get(step, {})))
-                raise RequestRefused(
+                raise self._refused(
                     f"sync step {step}: waited {wait:g}s for the gradients of worker(s) {missing}"
                 )
             self._cond.wait(remaining)
@@ -272,7 +275,7 @@ class ParameterServer:
         while lagging := slow():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RequestRefused(
+                raise self._refused(
                     f"max_staleness={self.max_staleness}: worker {worker} at step {clock} waited {wait:g}s "
                     f"for worker(s) {lagging}"
                 )
@@ -313,7 +316,7 @@ class ParameterServer:
             return {"version": self.version, "optimizer": spec}, out
 
 
-def serve(index: int, *, token: str, address: str) -> None:
+def serve(index: int, *, token: str, address: str, transport: str = "socket") -> None:
     """Run parameter server ``index`` at ``address`` until the chief says stop (the ``ps`` role's main)."""
-    server = ParameterServer(index, token=token, address=address).start()
+    server = ParameterServer(index, token=token, address=address, transport=transport).start()
     server.serve_until_stopped()

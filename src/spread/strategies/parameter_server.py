@@ -49,6 +49,7 @@ from spread.ps.client import DEFAULT_TIMEOUT, PSClient
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.server import serve
+from spread.ps.transports import TRANSPORTS
 from spread.strategies.base import Strategy, check_reduce_op
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.values import PerReplica
@@ -69,6 +70,8 @@ class ParameterServerStrategy(Strategy):
         timeout: seconds for one call to a server; a dead server is reported, named, within it.
         init_timeout: seconds to wait for the servers and the chief's variables at start-up.
         shutdown_timeout: seconds the chief waits, when closing, for the workers to finish.
+        transport: the RPC layer, ``"socket"`` (framed TCP) or ``"grpc"``; default
+            ``SPREAD_PS_TRANSPORT`` or ``"socket"``. Every task of a job must use the same.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class ParameterServerStrategy(Strategy):
         timeout: float = DEFAULT_TIMEOUT,
         init_timeout: float = 120.0,
         shutdown_timeout: float = 600.0,
+        transport: str | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -91,6 +95,10 @@ class ParameterServerStrategy(Strategy):
             raise ValueError("max_staleness applies to mode='async' only (sync mode has no staleness)")
         if min_shard_bytes < 1:
             raise ValueError(f"min_shard_bytes must be >= 1, got {min_shard_bytes!r}")
+        transport = transport or os.environ.get("SPREAD_PS_TRANSPORT", "socket")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
+        self.transport = transport
         self.mode = mode
         self.max_staleness = max_staleness
         self.min_shard_bytes = min_shard_bytes
@@ -105,7 +113,12 @@ class ParameterServerStrategy(Strategy):
             )
         token = os.environ.get(TOKEN_ENV, _DEFAULT_TOKEN)
         if self.cluster.role == "ps":
-            serve(self.cluster.task_index, token=token, address=servers[self.cluster.task_index])
+            serve(
+                self.cluster.task_index,
+                token=token,
+                address=servers[self.cluster.task_index],
+                transport=transport,
+            )
             raise SystemExit(0)
         if torch.cuda.is_available() and self.cluster.rank >= 0:
             torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
@@ -113,7 +126,7 @@ class ParameterServerStrategy(Strategy):
         else:
             self._device = torch.device("cpu")
         self.job_token = token  # for the coordinator's own server; never printed
-        self.client = PSClient(list(servers), token=token, timeout=timeout)
+        self.client = PSClient(list(servers), token=token, timeout=timeout, transport=transport)
         self.placement = Placement({}, len(servers))
         self._variables: dict[str, nn.Parameter] = {}
         self._names: dict[int, str] = {}
