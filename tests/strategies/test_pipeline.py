@@ -168,7 +168,7 @@ def _dying_worker(victim: int) -> None:
         strategy.close()
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [2, 0])  # 2: the first stage hears of it two hops away
 def test_a_killed_stage_is_named_by_every_other_stage(victim):
     # The collective deadline is long (120 s) and the harness gives survivors 45 s after the first
     # death: passing proves the survivors noticed the death itself, not a timeout.
