@@ -90,3 +90,26 @@ def test_weighted_sum_unused_parameters_accumulation_and_no_sync():
         for name in ("body.weight", "head_a.weight"):
             expected = 0.5 * (plain2[0][name] + plain2[1][name])
             torch.testing.assert_close(out[rank]["g3"][name], expected)
+
+
+def _bucket_placement(compression: str | None) -> dict:
+    strategy = spread.MultiWorkerMirroredStrategy("shm", bucket_cap_mb=0.0001, compression=compression)
+    try:
+        with strategy.scope():
+            TwoHeads()
+        reducer, algorithm = strategy._reducer, strategy.algorithm
+        exchanged = [b.wire if b.wire is not None else b.buffer for b in reducer.buckets]
+        return {
+            "buckets": len(exchanged),
+            "in_shared_memory": [algorithm._registered(buf) is not None for buf in exchanged],
+            "wire_dtypes": sorted({str(buf.dtype) for buf in exchanged}),
+        }
+    finally:
+        strategy.close()
+
+
+def test_shm_buckets_live_in_shared_memory_so_the_exchange_copies_nothing():
+    for compression, dtype in ((None, "torch.float32"), ("bf16", "torch.bfloat16")):
+        out = run_ranks(_bucket_placement, 2, args=(compression,), timeout=90)[0]
+        assert out["buckets"] > 1 and all(out["in_shared_memory"]), out
+        assert out["wire_dtypes"] == [dtype]
