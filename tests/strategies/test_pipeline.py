@@ -69,6 +69,10 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
                 out[(schedule, name)] = custom_loop(strategy, name, init_seed=rank * 101)
                 if strategy is not owner:
                     strategy.close()
+        if replicas > 1:  # Trainer.fit, evaluate and predict on the hybrid layout too
+            strategy = spread.PipelineStrategy(stages=stages, microbatches=2, replicas=replicas)
+            out["trainer"] = _trainer_run(strategy)
+            strategy.close()
     finally:
         if owner is not None:
             owner.close()
@@ -82,9 +86,11 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
 )
 def test_pipeline_equals_one_device(reference, stages, replicas, schedules):
     per_rank = run_ranks(
-        _equivalence_worker, stages * replicas, args=(stages, replicas, schedules), timeout=240
+        _equivalence_worker, stages * replicas, args=(stages, replicas, schedules), timeout=300
     )
     for rank, results in enumerate(per_rank):
+        if "trainer" in results:
+            _check_trainer_result(rank, results.pop("trainer"), _trainer_run(spread.OneDeviceStrategy("cpu")))
         for (schedule, name), weights in results.items():
             diff = max_relative_difference(weights, reference[name])
             assert diff <= TOLERANCE, f"rank {rank}, {schedule}, {name}: max relative difference {diff:.2e}"
@@ -132,6 +138,14 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> bool:
     return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol * max(1.0, abs(b[k])) for k in a)
 
 
+def _check_trainer_result(rank: int, got: dict, ref: dict) -> None:
+    for key, values in ref["history"].items():
+        assert got["history"][key] == pytest.approx(values, rel=1e-5), (rank, key)
+    assert _close(got["evaluate"], ref["evaluate"]), (rank, got["evaluate"], ref["evaluate"])
+    torch.testing.assert_close(got["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
+    assert max_relative_difference(got["state"], ref["state"]) <= TOLERANCE
+
+
 def test_trainer_fit_evaluate_predict_and_checkpoints(tmp_path):
     ref = _trainer_run(spread.OneDeviceStrategy("cpu"))
     one_device_ckpt = tmp_path / "one_device.pt"
@@ -139,11 +153,7 @@ def test_trainer_fit_evaluate_predict_and_checkpoints(tmp_path):
     pipeline_ckpt = tmp_path / "pipeline.pt"
     per_rank = run_ranks(_trainer_worker, 2, args=(str(pipeline_ckpt), str(one_device_ckpt)), timeout=240)
     for rank, got in enumerate(per_rank):
-        for key, values in ref["history"].items():
-            assert got["history"][key] == pytest.approx(values, rel=1e-5), (rank, key)
-        assert _close(got["evaluate"], ref["evaluate"]), (rank, got["evaluate"], ref["evaluate"])
-        torch.testing.assert_close(got["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
-        assert max_relative_difference(got["state"], ref["state"]) <= TOLERANCE
+        _check_trainer_result(rank, got, ref)
     # A pipeline checkpoint loads into a one-device model (original keys) and gives its outputs.
     model = make_model(5)
     model.load_state_dict(torch.load(pipeline_ckpt, weights_only=True))
