@@ -12,6 +12,7 @@ from _equivalence_cases import GLOBAL_BATCH, make_data, make_model, make_optimiz
 from torch import nn
 
 import spread
+import spread.memory
 from spread.testing import launch_ranks, run_ranks
 
 OPTIMIZERS = ["sgd_momentum", "adamw"]
@@ -59,14 +60,20 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
     out = {}
     owner = None
     try:
-        for schedule in schedules:
+        for label in schedules:
+            schedule, _, extra = label.partition("+")  # "gpipe+checkpoint": per-stage checkpointing
             for name in OPTIMIZERS:
                 strategy = spread.PipelineStrategy(
-                    stages=stages, microbatches=3, schedule=schedule, replicas=replicas
+                    stages=stages,
+                    microbatches=3,
+                    schedule=schedule,
+                    replicas=replicas,
+                    checkpoint_stages=extra == "checkpoint",
                 )
                 owner = owner or strategy  # the first strategy owns the process group; later ones reuse it
                 # Ranks start from different weights: rank 0's must win.
-                out[(schedule, name)] = custom_loop(strategy, name, init_seed=rank * 101)
+                out[(label, name)] = custom_loop(strategy, name, init_seed=rank * 101)
+                assert spread.memory.is_checkpointed(strategy.stage_module) == (extra == "checkpoint")
                 if strategy is not owner:
                     strategy.close()
         if replicas > 1:  # Trainer.fit, evaluate and predict on the hybrid layout too
@@ -81,7 +88,7 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
 
 @pytest.mark.parametrize(
     ("stages", "replicas", "schedules"),
-    [(2, 1, ["gpipe", "1f1b"]), (3, 1, ["1f1b"]), (2, 2, ["gpipe", "1f1b"])],
+    [(2, 1, ["gpipe", "1f1b"]), (3, 1, ["1f1b", "gpipe+checkpoint"]), (2, 2, ["gpipe", "1f1b"])],
     ids=["2_stages", "3_stages", "hybrid_2x2"],
 )
 def test_pipeline_equals_one_device(reference, stages, replicas, schedules):
