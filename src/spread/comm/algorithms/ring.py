@@ -3,9 +3,10 @@
 The buffer is split into ``N`` near-equal segments (:func:`segment_bounds`). In ``N-1``
 reduce-scatter steps each rank sends one segment to its right neighbour and adds the segment
 arriving from its left one; afterwards rank ``r`` holds the full sum of segment ``r+1``. ``N-1``
-all-gather steps then pass the summed segments around. Each step moves its segment in sub-chunks
-(default 1 MiB): all receives and sends of a step are posted at once and each arriving sub-chunk
-is added while the next ones are still on the wire.
+all-gather steps then pass the summed segments around. A reduce-scatter step moves its segment in
+sub-chunks (default 1 MiB): all receives and sends of a step are posted at once and each arriving
+sub-chunk is added while the next ones are still on the wire; an all-gather step, with nothing to
+overlap, sends its segment as one message.
 
 Traffic: rank ``r`` sends every segment but ``r+1`` during reduce-scatter and every segment but
 ``r+2`` during all-gather, so ``bytes_sent`` grows by ``(2*numel - seg[r+1] - seg[r+2]) *
@@ -70,7 +71,10 @@ class RingAllReduce(AllReduceAlgorithm):
         the sends still in flight: a segment sent here is not written again in the same phase (a
         reduce-scatter step adds into the segment it received, an all-gather step receives into a
         segment no earlier step sent), so only the phase boundary has to wait for them."""
-        step = max(1, self.sub_chunk_bytes // max(1, send.element_size()))
+        # Sub-chunks only pay off where there is work to overlap with the wire (the additions of the
+        # reduce-scatter); the all-gather sends each segment as one message (fewer wake-ups).
+        whole = max(1, send.numel(), recv.numel())
+        step = max(1, self.sub_chunk_bytes // max(1, send.element_size())) if scratch is not None else whole
         receives = []
         for k, start in enumerate(range(0, recv.numel(), step)):
             target = recv if scratch is None else scratch[: recv.numel()]
