@@ -15,20 +15,21 @@ all-reduce of a registered buffer (or of any slice of one) is then:
    once) and writes the sum into every rank's copy of that slice, in cache-sized pieces;
 3. barrier: every slice is summed, so every rank's copy holds the full sum.
 
-Each rank reads ``N/N`` and writes ``N/N`` of one buffer: no copy in, no copy out. Between step 3
+Each rank reads and writes one buffer's worth of bytes (its ``1/N`` slice of each of the ``N``
+copies), the least any scheme can move: no copy in, no copy out. Between step 3
 and the next call's step 1 nobody writes another rank's copy, so the owner may read and refill it.
 
 **Other buffers** go through a per-rank staging slot of ``chunk_bytes`` (default 8 MiB) in the
 same way, with a copy in before step 1 and a copy out after step 3, chunk by chunk.
 
-**Barriers** are one-byte datagrams over Unix sockets in Linux's abstract namespace (named after a
-random token, so nothing appears in the file system): a rank sends its rank number to every peer,
-then blocks until every peer's message for this barrier arrived (a peer can be at most one barrier
-ahead, so the count per peer says which barrier a message belongs to). A blocked rank sleeps in the
-kernel instead of spinning, so on a busy machine it gives its core away and wakes within
-microseconds; the system calls also order the memory writes before them, on any CPU. A barrier
-raises :class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks that
-did not arrive. Linux only (abstract sockets, ``/dev/shm``).
+**Barriers** are two-byte datagrams (the sender's rank) over Unix sockets in Linux's abstract
+namespace (named after a random token, so nothing appears in the file system): a rank sends to
+every peer, then blocks until every peer's message for this barrier arrived (a peer can be at most
+one barrier ahead, so the count per peer says which barrier a message belongs to). A blocked rank
+sleeps in the kernel instead of spinning, so on a busy machine it gives its core away and wakes
+within microseconds; the system calls also order the memory writes before them, on any CPU. A
+barrier raises :class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks
+that did not arrive. Linux only (abstract sockets, ``/dev/shm``).
 
 **Asynchronous calls** (``all_reduce_async``) are deferred: the sum runs, in call order, when its
 ``wait()`` (or any later call) needs it, on the caller's thread. With one rank per core there is no
