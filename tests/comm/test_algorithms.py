@@ -221,3 +221,33 @@ def test_async_calls_complete_whatever_the_wait_order():
         for name, values in out.items():
             # rank 0 holds 10i+1, rank 1 holds 10i+2: the sum is 20i+3 everywhere
             assert values == [[3.0], [23.0], [43.0]], name
+
+
+def _rank_shm_peer_leaves() -> str:
+    from spread.comm.algorithms import ShmAllReduce
+    from spread.errors import PeerLostError
+
+    rdv = rendezvous(resolve_cluster())
+    try:
+        collectives = Collectives()
+        algo = ShmAllReduce(collectives, timeout=90)  # far beyond the probe interval
+        collectives.barrier()
+        if collectives.rank == 1:
+            algo.close()  # this rank's barrier socket is gone, as if its process had exited
+            collectives.barrier()
+            return ""
+        collectives.barrier()
+        try:
+            algo.all_reduce(torch.ones(10))
+        except PeerLostError as exc:
+            return str(exc)
+        finally:
+            algo.close()
+        return "no error"
+    finally:
+        rdv.close()
+
+
+def test_shm_barrier_notices_a_peer_that_left():
+    message = run_ranks(_rank_shm_peer_leaves, 2, timeout=60)[0]
+    assert message.startswith("rank 0: shm.all_reduce") and "rank 1 left" in message

@@ -29,7 +29,9 @@ one barrier ahead, so the count per peer says which barrier a message belongs to
 sleeps in the kernel instead of spinning, so on a busy machine it gives its core away and wakes
 within microseconds; the system calls also order the memory writes before them, on any CPU. A
 barrier raises :class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks
-that did not arrive. Linux only (abstract sockets, ``/dev/shm``).
+that did not arrive; while it waits it probes the missing peers every second, and a peer whose
+socket is gone (its process exited) fails the barrier at once with
+:class:`~spread.errors.PeerLostError`. Linux only (abstract sockets, ``/dev/shm``).
 
 **Asynchronous calls** (``all_reduce_async``) are deferred: the sum runs, in call order, when its
 ``wait()`` (or any later call) needs it, on the caller's thread. With one rank per core there is no
@@ -51,6 +53,7 @@ import os
 import secrets
 import socket
 import sys
+import time
 
 import torch
 
@@ -63,10 +66,12 @@ from spread.comm.algorithms.base import (
     segment_bounds,
 )
 from spread.comm.ops import Collectives
-from spread.errors import CollectiveTimeout, PeerLostError
+from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 PIECE_BYTES = 256 << 10  # summed and copied out while it is still in the core's cache
+_PROBE = b"\xff\xff"  # "are you there?": ignored by the receiver, refused if its socket is gone
+_PROBE_EVERY = 1.0  # seconds of waiting between probes of the missing peers
 _ALIGN = 4096  # each rank's copy starts on its own page
 
 
@@ -170,7 +175,6 @@ class ShmAllReduce(AllReduceAlgorithm):
         except BaseException:
             sock.close()
             raise
-        sock.settimeout(self.timeout)
         self._socket = sock
         self._peer_addresses = [(k, address[k]) for k in range(self.world_size) if k != self.rank]
 
@@ -234,42 +238,56 @@ class ShmAllReduce(AllReduceAlgorithm):
     # -- barriers ---------------------------------------------------------------------------------
     def _barrier(self, op: str) -> None:
         self._generation += 1
-        generation, sock, arrived = self._generation, self._socket, self._arrived
+        generation, arrived = self._generation, self._arrived
         message = self.rank.to_bytes(2, "little")
-        for peer, address in self._peer_addresses:
-            while True:
-                try:
-                    sock.sendto(message, socket.MSG_DONTWAIT, address)
-                    break
-                except BlockingIOError:  # the peer's queue is full: take ours in meanwhile
-                    self._receive(op, block=False)
-                except (ConnectionRefusedError, FileNotFoundError):  # its socket closed: it exited
-                    raise PeerLostError(
-                        self.rank,
-                        op,
-                        generation,
-                        f"rank {peer} is gone (its barrier socket is closed)",
-                        peer=peer,
-                    ) from None
-        while any(arrived[k] < generation for k, _ in self._peer_addresses):
-            self._receive(op, block=True)
+        for k, address in self._peer_addresses:
+            while not self._send(op, k, address, message):  # the peer's queue is full:
+                self._take_queued()  # take ours in the meantime (no deadlock between full queues)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            behind = [k for k, _ in self._peer_addresses if arrived[k] < generation]
+            if not behind:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeout(
+                    self.rank, op, generation, f"ranks {behind} did not reach the shared-memory barrier"
+                )
+            self._socket.settimeout(min(_PROBE_EVERY, remaining))
+            try:
+                self._count(self._socket.recv(8))
+            except TimeoutError:  # still waiting: is every missing peer still there?
+                for k, address in self._peer_addresses:
+                    if k in behind:
+                        self._send(op, k, address, _PROBE)
 
-    def _receive(self, op: str, *, block: bool) -> None:
-        """Count one barrier message (or all queued ones, without blocking)."""
-        sock = self._socket
+    def _send(self, op: str, peer: int, address: bytes, message: bytes) -> bool:
+        """Send ``message`` to ``peer`` without blocking; False if its queue is full. A closed
+        socket means the peer process is gone: :class:`~spread.errors.PeerLostError`."""
+        try:
+            self._socket.sendto(message, socket.MSG_DONTWAIT, address)
+            return True
+        except BlockingIOError:
+            return False
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise PeerLostError(
+                self.rank,
+                op,
+                self._generation,
+                f"rank {peer} left (its shared-memory barrier socket is closed)",
+                peer=peer,
+            ) from None
+
+    def _take_queued(self) -> None:
         while True:
             try:
-                data = sock.recv(8) if block else sock.recv(8, socket.MSG_DONTWAIT)
+                self._count(self._socket.recv(8, socket.MSG_DONTWAIT))
             except BlockingIOError:
                 return
-            except TimeoutError:
-                behind = [k for k, _ in self._peer_addresses if self._arrived[k] < self._generation]
-                raise CollectiveTimeout(
-                    self.rank, op, self._generation, f"ranks {behind} did not reach the shared-memory barrier"
-                ) from None
+
+    def _count(self, data: bytes) -> None:
+        if data != _PROBE:
             self._arrived[int.from_bytes(data, "little")] += 1
-            if block:
-                return
 
     # -- the algorithm ----------------------------------------------------------------------------
     def _sum_my_slice(self, copies: list[torch.Tensor], numel: int) -> int:
@@ -352,7 +370,7 @@ class ShmAllReduce(AllReduceAlgorithm):
                 code = SUPPORTED_DTYPES.index(buffer.dtype)
                 self.collectives.check_same([buffer.numel(), code], what=f"{op} buffer numel and dtype")
             self._reduce_now(buffer)
-        except CollectiveTimeout:
+        except CollectiveError:  # the group is broken: the queued calls can never complete
             self._deferred.clear()
             raise
 
