@@ -7,6 +7,8 @@ Configurations (every process 1 thread; 2 training processes each way):
   mwms x2      MultiWorkerMirroredStrategy, 2 ranks, global batch 512 (256 per rank)
   ps 2w+1s     ParameterServerStrategy async: chief + 1 worker (256 samples per step each) + 1 server
   ps 2w+2s     the same with 2 servers (the table split by rows)
+  ps 2w+1s 512/step  1 server, each worker steps on 512 samples (the TF anchor's configuration:
+               TF's ParameterServerStrategy, 1 server + 2 workers, 512 samples per worker step)
 
 samples/s is the sum over the 2 training processes of each one's median rate (async workers do not
 wait for each other). Bytes per step: PS, what one worker sent and received per step (counted on the
@@ -45,15 +47,24 @@ def _timed(step, reps: int, steps: int, per_step_samples: int) -> list[float]:
     return rates
 
 
-def _loop(strategy, name: str, reps: int, steps: int, quick: bool, sparse_table: bool, on_ready=None):
+def _loop(
+    strategy,
+    name: str,
+    reps: int,
+    steps: int,
+    quick: bool,
+    sparse_table: bool,
+    on_ready=None,
+    full_batch=False,
+):
     with strategy.scope():
         model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name, quick=quick)
         if sparse_table and hasattr(model, "table"):
             model.table.sparse = True  # row gradients: what a parameter server wants
         optimizer = make_optimizer(model.parameters())
     x, y = make_batch(global_batch)
-    per = global_batch // 2
-    rank = max(strategy.rank, 0)
+    per = global_batch if full_batch else global_batch // 2
+    rank = 0 if full_batch else max(strategy.rank, 0)
     x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
     def replica_step():
@@ -82,7 +93,7 @@ def _mwms_rank(name: str, reps: int, steps: int, quick: bool) -> dict:
         strategy.close()
 
 
-def _ps_rank(name: str, reps: int, steps: int, quick: bool) -> dict:
+def _ps_rank(name: str, reps: int, steps: int, quick: bool, full_batch: bool = False) -> dict:
     import spread
 
     torch.set_num_threads(1)
@@ -96,6 +107,7 @@ def _ps_rank(name: str, reps: int, steps: int, quick: bool) -> dict:
             steps,
             quick,
             sparse_table=True,
+            full_batch=full_batch,
             on_ready=lambda: start.update(steps=strategy.local_step, bytes=strategy.bytes_moved()),
         )
         moved = strategy.bytes_moved() - start["bytes"]
@@ -134,12 +146,14 @@ def main() -> None:
     for name in a.workloads.split(","):
         mwms = run_ranks(_mwms_rank, 2, args=(name, a.reps, a.steps, a.quick), timeout=900)
         rows.append((name, _summary(mwms, "mwms x2")))
-        for servers in (1, 2):
-            results = run_ps_job(_ps_rank, 2, servers, args=(name, a.reps, a.steps, a.quick), timeout=900)
+        for servers, full in ((1, False), (2, False), (1, True)):
+            args = (name, a.reps, a.steps, a.quick, full)
+            results = run_ps_job(_ps_rank, 2, servers, args=args, timeout=900)
             failed = [r.describe() for r in results if not r.ok]
             if failed:
                 raise RuntimeError("\n".join(failed))
-            rows.append((name, _summary([r.value for r in results[:2]], f"ps 2w+{servers}s")))
+            label = f"ps 2w+{servers}s" + (" 512/step" if full else "")
+            rows.append((name, _summary([r.value for r in results[:2]], label)))
     try:
         import tensorflow  # noqa: F401
 
@@ -148,10 +162,10 @@ def main() -> None:
         print(
             "tensorflow: not installed; its ParameterServerStrategy is skipped (anchor: W1 ~2,250 samples/s)"
         )
-    print(f"{'workload':8s} {'config':10s} {'samples/s':>10s} {'(min-max)':>16s} {'MB/step/worker':>15s}")
+    print(f"{'workload':8s} {'config':18s} {'samples/s':>10s} {'(min-max)':>16s} {'MB/step/worker':>15s}")
     for name, r in rows:
         print(
-            f"{name:8s} {r['label']:10s} {r['samples_s']:10.0f} ({r['min']:6.0f}-{r['max']:6.0f})"
+            f"{name:8s} {r['label']:18s} {r['samples_s']:10.0f} ({r['min']:6.0f}-{r['max']:6.0f})"
             f" {r['bytes'] / 1e6:15.3f}"
         )
 

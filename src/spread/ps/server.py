@@ -138,7 +138,11 @@ class ParameterServer:
                 raise self._refused(f"unknown variable {name!r}")
             rows = tensors.get(f"{name}:rows")
             if rows is None:
-                out[name] = var.clone()
+                # No copy: the answer is encoded from the live variable. In sync mode nothing is
+                # applied while a round's answers are sent (the next round needs every worker's
+                # push first); in async mode a concurrent push may land mid-read, which async SGD
+                # tolerates (TF's parameter servers read without locks too).
+                out[name] = var
             else:
                 self._check_rows(name, rows, var)
                 out[name] = var[rows]
