@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from statistics import median
 
 import torch
 from torch import nn
@@ -97,8 +96,10 @@ def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:
     return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
-def measured_costs(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Seconds of forward plus backward per layer on ``sample`` (median of ``repeats`` after one warm-up).
+def measured_costs(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 5) -> list[float]:
+    """Seconds of forward plus backward per layer on ``sample``: the fastest of ``repeats`` runs after
+    one warm-up (on a shared machine, interference only ever adds time, so the minimum is the
+    steadiest estimate of the layer's own cost).
 
     The layers run in sequence, each on the previous one's output. The measurement leaves no trace:
     ``.grad`` fields, buffers (batch-norm statistics) and the random number generator are restored.
@@ -121,7 +122,7 @@ def measured_costs(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: i
                     out.backward(torch.ones_like(out))
                 if r:
                     times.append(time.perf_counter() - started)
-            costs.append(median(times))
+            costs.append(min(times))
             if not isinstance(out, torch.Tensor):
                 raise TypeError(
                     f"layer {len(costs) - 1} ({type(layer).__name__}) returned {type(out).__name__}; "
