@@ -28,10 +28,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+# gRPC's C core logs at INFO to stderr (a line per connection a stopping server closes) unless told
+# otherwise; keep a user's own setting. Only effective before gRPC is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 import torch
@@ -342,9 +347,10 @@ class RpcClient:
             ("grpc.max_receive_message_length", min(max_frame_bytes, _MAX_MESSAGE)),
             ("grpc.max_send_message_length", -1),
             ("grpc.use_local_subchannel_pool", 1),  # closing this client closes its connection
-            # Reconnect like the socket client polls (a restarted server is found within ~1 s).
+            # Retry connecting like the socket client polls (a restarted server is found within
+            # ~1 s). Not grpc.min_reconnect_backoff_ms: gRPC also uses it as the connect timeout, and
+            # 100 ms of it failed first calls on a loaded machine.
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         self._channel = grpc.insecure_channel(_target(host, port), options=options)
