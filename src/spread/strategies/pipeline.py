@@ -27,6 +27,8 @@ its own stage; parameters of other stages get no gradient, so the optimizer leav
 (that is how ``Trainer.evaluate/predict`` work). Checkpoints: :meth:`gather_state_dict` brings every
 rank's copy of the model up to date and returns the full model's ``state_dict`` (original keys, loads
 into a one-device model); loading a one-device ``state_dict`` into ``model`` on every rank works as is.
+Trainer callbacks that save the chief's model (BackupAndRestore, ModelCheckpoint) are refused: the
+chief's copy is stale outside stage 0.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from spread.strategies.context import ReplicaContext, _set_replica_context, get_
 from spread.values import PerReplica
 
 _WRAP_KIND = "pipeline"
+_CHIEF_SAVERS = ("BackupAndRestore", "ModelCheckpoint")
 
 
 def _split_xy(batch: Any) -> tuple[Any, Any]:
@@ -324,6 +327,19 @@ class PipelineStrategy(Strategy):
             raise ValueError(
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
                 "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
+            )
+        unsafe = [
+            type(cb).__name__
+            for cb in getattr(trainer, "callbacks", [])
+            if type(cb).__name__ in _CHIEF_SAVERS
+        ]
+        if unsafe:
+            # By name: spread.train sits above this layer. These callbacks save the chief's copy of the
+            # model, whose layers outside stage 0 are stale under a pipeline.
+            raise ValueError(
+                f"{', '.join(unsafe)} saves the chief's model, which holds only pipeline stage 0 up to "
+                f"date; under PipelineStrategy save strategy.gather_state_dict(model) (called on every "
+                f"rank) instead"
             )
         x, y = _split_xy(batch)
         width = 2 + len(trainer.metrics)
