@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,7 @@ def _trainer_worker(path: str, one_device_ckpt: str) -> dict:
         )
         x, y = make_data()
         result["reloaded_evaluate"] = trainer.evaluate((x, y), global_batch_size=64)
+        result["too_many_stages"] = _too_many_stages()
         return result
     finally:
         strategy.close()
@@ -153,12 +155,20 @@ def _check_trainer_result(rank: int, got: dict, ref: dict) -> None:
     assert max_relative_difference(got["state"], ref["state"]) <= TOLERANCE
 
 
-def test_trainer_fit_evaluate_predict_and_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def trainer_job(tmp_path_factory) -> tuple[dict, list[dict], Path]:
+    """One 2-stage job for the Trainer, checkpoint and argument tests: (reference, per rank, ckpt)."""
+    tmp_path = tmp_path_factory.mktemp("pipeline_trainer")
     ref = _trainer_run(spread.OneDeviceStrategy("cpu"))
     one_device_ckpt = tmp_path / "one_device.pt"
     torch.save(ref["state"], one_device_ckpt)
     pipeline_ckpt = tmp_path / "pipeline.pt"
     per_rank = run_ranks(_trainer_worker, 2, args=(str(pipeline_ckpt), str(one_device_ckpt)), timeout=240)
+    return ref, per_rank, pipeline_ckpt
+
+
+def test_trainer_fit_evaluate_predict_and_checkpoints(trainer_job):
+    ref, per_rank, pipeline_ckpt = trainer_job
     for rank, got in enumerate(per_rank):
         _check_trainer_result(rank, got, ref)
     # A pipeline checkpoint loads into a one-device model (original keys) and gives its outputs.
@@ -229,7 +239,9 @@ def test_the_job_must_have_stages_times_replicas_processes(monkeypatch):
         spread.PipelineStrategy(stages=2, replicas=2)
 
 
-def _too_many_stages_worker() -> str:
+def _too_many_stages() -> str:
+    """Every rank raises the same ValueError before any of them waits in a collective (a second
+    strategy on the owner's process group)."""
     strategy = spread.PipelineStrategy(stages=2, microbatches=2)
     try:
         model = nn.Sequential(nn.Linear(4, 2))  # one layer, two stages
@@ -242,9 +254,9 @@ def _too_many_stages_worker() -> str:
         strategy.close()
 
 
-def test_more_stages_than_layers_is_a_clear_error():
-    messages = run_ranks(_too_many_stages_worker, 2, timeout=120)
-    assert all("stages=2 is more than the model's 1 layers" in m for m in messages)
+def test_more_stages_than_layers_is_a_clear_error(trainer_job):
+    _, per_rank, _ = trainer_job
+    assert all("stages=2 is more than the model's 1 layers" in r["too_many_stages"] for r in per_rank)
 
 
 def test_training_through_model_call_is_refused_with_guidance():
