@@ -51,6 +51,7 @@ import hashlib
 import mmap
 import os
 import secrets
+import select
 import socket
 import sys
 import time
@@ -176,6 +177,8 @@ class ShmAllReduce(AllReduceAlgorithm):
             sock.close()
             raise
         self._socket = sock
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._peer_addresses = [(k, address[k]) for k in range(self.world_size) if k != self.rank]
 
     # -- shared segments ---------------------------------------------------------------------------
@@ -253,13 +256,15 @@ class ShmAllReduce(AllReduceAlgorithm):
                 raise CollectiveTimeout(
                     self.rank, op, generation, f"ranks {behind} did not reach the shared-memory barrier"
                 )
-            self._socket.settimeout(min(_PROBE_EVERY, remaining))
-            try:
-                self._count(self._socket.recv(8))
-            except TimeoutError:  # still waiting: is every missing peer still there?
-                for k, address in self._peer_addresses:
-                    if k in behind:
-                        self._send(op, k, address, _PROBE)
+            # The socket stays blocking (so MSG_DONTWAIT means "do not wait"); poll bounds the wait.
+            if self._poller.poll(1000 * min(_PROBE_EVERY, remaining)):
+                self._take_queued()
+                continue
+            # Still waiting: is every missing peer still there? (Count what slipped in first.)
+            self._take_queued()
+            for k, address in self._peer_addresses:
+                if arrived[k] < generation:
+                    self._send(op, k, address, _PROBE)
 
     def _send(self, op: str, peer: int, address: bytes, message: bytes) -> bool:
         """Send ``message`` to ``peer`` without blocking; False if its queue is full. A closed
