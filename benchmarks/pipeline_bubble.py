@@ -10,6 +10,10 @@ all-reduce, so all stages share one window (optimizer step excluded); each stage
 of it spent in forward and backward (``PipelineStrategy(record_times=True)``); idle =
 1 - compute / window, the median over ``steps`` steps after 2 warm-up steps. The bound assumes
 equal stage times and free communication; measured idle also contains transfers and imbalance.
+
+A second table, at M=8: the peak bytes saved for backward alive at once on each stage (counted by
+``spread.memory.SavedTensorBytes`` per micro-batch forward, parameters excluded: deterministic),
+for GPipe and 1F1B, each without and with per-stage activation checkpointing, and the step time.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 import torch
 from torch import nn
 
+from spread.memory import checkpoint_stage, remove_checkpointing
 from spread.pipeline import gpipe_bubble_bound
 from spread.testing import run_ranks
 
@@ -61,7 +66,24 @@ def worker(
                         idle.append(1.0 - strategy.last_step_times.compute / span)
                         step_time.append(span)
                 out[(schedule, m)] = (statistics.median(idle), statistics.median(step_time))
-        return {"stage": strategy.stage, "results": out, "bounds": strategy.stage_bounds}
+        memory = {}
+        for schedule in schedules:  # activation memory at M=8: the schedules, with and without checkpointing
+            for checkpointed in (False, True):
+                strategy.schedule, strategy.microbatches = schedule, 8
+                if checkpointed:
+                    checkpoint_stage(strategy.stage_module)
+                spans = []
+                for _ in range(steps + 2):
+                    optimizer.zero_grad(set_to_none=True)
+                    strategy.world.barrier()
+                    started = time.perf_counter()
+                    strategy.train_step(model, x, y, loss_fn)
+                    spans.append(time.perf_counter() - started)
+                    optimizer.step()
+                remove_checkpointing(strategy.stage_module)
+                peak = strategy.last_step_times.peak_saved_bytes
+                memory[(schedule, checkpointed)] = (peak, statistics.median(spans[2:]))
+        return {"stage": strategy.stage, "results": out, "memory": memory, "bounds": strategy.stage_bounds}
     finally:
         strategy.close()
 
@@ -94,6 +116,15 @@ def main() -> None:
             step_ms = 1000 * max(r["results"][(schedule, m)][1] for r in per_rank)
             bound = gpipe_bubble_bound(2, m)
             print(f"| {schedule} | {m} | {bound:.3f} | {idle[0]:.3f} | {idle[1]:.3f} | {step_ms:.0f} |")
+    print("\nActivation memory at M=8: peak bytes saved for backward alive at once on each stage")
+    print("| schedule | stage checkpointing | stage 0 (MiB) | stage 1 (MiB) | step time (ms) |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for schedule in schedules:
+        for checkpointed in (False, True):
+            peaks = [r["memory"][(schedule, checkpointed)][0] / 2**20 for r in per_rank]
+            step_ms = 1000 * max(r["memory"][(schedule, checkpointed)][1] for r in per_rank)
+            on = "yes" if checkpointed else "no"
+            print(f"| {schedule} | {on} | {peaks[0]:.2f} | {peaks[1]:.2f} | {step_ms:.0f} |")
     sys.stdout.flush()
 
 

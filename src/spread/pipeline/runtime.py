@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.memory import SavedTensorBytes
 from spread.pipeline.p2p import StageLink
 from spread.pipeline.schedules import Action, Op
 
@@ -36,6 +37,7 @@ class StepTimes:
     total: float = 0.0
     compute: float = 0.0
     per_action: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+    peak_saved_bytes: int = 0  # most bytes saved for backward alive at once (recorded runs only)
 
     @property
     def idle_fraction(self) -> float:
@@ -82,6 +84,8 @@ class StageRunner:
         if recv_order:  # post the first receive now when its shape is known from an earlier step
             self.link.prefetch_activation(recv_order[0], keys[recv_order[0]])
         received_count = 0
+        saved: dict[int, int] = {}  # micro-batch -> bytes its forward saved for backward (recorded runs)
+        live_saved = 0
         for a in actions:
             i = a.microbatch
             if a.op is Op.RECV_ACT:
@@ -106,9 +110,15 @@ class StageRunner:
             elif a.op is Op.FORWARD:
                 t0 = time.perf_counter()
                 x = inputs[i] if self.is_first else received[i]  # type: ignore[index]
-                out = self.module(x)
+                with self._meter() as meter:
+                    out = self.module(x)
+                    if self.is_last:
+                        loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
+                if meter is not None:
+                    saved[i] = meter.bytes
+                    live_saved += meter.bytes
+                    times.peak_saved_bytes = max(times.peak_saved_bytes, live_saved)
                 if self.is_last:
-                    loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
                     if on_loss is not None:
                         on_loss(i, out, targets[i], loss)  # type: ignore[index]
                     losses[i] = loss
@@ -117,6 +127,7 @@ class StageRunner:
                 self._account(times, a, t0)
             elif a.op is Op.BACKWARD:
                 t0 = time.perf_counter()
+                live_saved -= saved.pop(i, 0)
                 done_backward += 1
                 last = done_backward == num_backward
                 with nullcontext() if last or no_sync is None else no_sync():
@@ -145,6 +156,12 @@ class StageRunner:
                     self.link.send_activation(out, i)
         self.link.wait_sends()
         return outputs if self.is_last else None
+
+    def _meter(self) -> AbstractContextManager:
+        """Count the bytes a forward saves for backward (activations, not parameters) when recording."""
+        if not self.record:
+            return nullcontext()
+        return SavedTensorBytes(exclude=list(self.module.parameters()))
 
     def _account(self, times: StepTimes, action: Action, t0: float) -> None:
         t1 = time.perf_counter()
