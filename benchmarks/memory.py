@@ -16,7 +16,8 @@ Memory, two measures of one training step:
 
 Time: median step time (forward, backward, AdamW) over ``reps`` repetitions of ``steps`` steps after
 2 warm-up steps, the configurations interleaved repetition by repetition so that load drifts hit them
-alike. ``--clock cpu`` times with the process's CPU time instead of the wall clock: with
+alike; the overhead is the median over repetitions of each configuration's time over the plain one's
+in the same repetition. ``--clock cpu`` times with the process's CPU time instead of the wall clock: with
 ``--threads 1`` that is the compute cost, much less sensitive to other jobs on a shared machine.
 
 W2's largest activations are its logits (2,048 tokens x 8,192 = 64 MiB per copy), which block
@@ -207,7 +208,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     head = "| configuration | peak above weights (MiB) | vs none | saved for backward (MiB) | "
     head += "CUDA peak above weights (MiB) | " if cuda else ""
-    head += "step ms median (min-max) | time vs none |"
+    head += "step ms median (min-max) | time vs none (median of paired ratios, min-max) |"
     print(head)
     print("| --- " + "| ---: " * (head.count("|") - 2) + "|")
     for c in args.configs:
@@ -218,7 +219,12 @@ def main() -> None:
         row += f"{m['saved_mib']:.1f} | "
         row += f"{m['cuda_peak_mib']:.1f} | " if cuda else ""
         row += f"{1000 * med:.0f} ({1000 * min(t):.0f}-{1000 * max(t):.0f}) | "
-        row += f"{med / base_time:.2f}x |" if base_time else "- |"
+        if base_time:
+            # each repetition timed every configuration back to back: compare within a repetition
+            ratios = [a / b for a, b in zip(t, times["none"], strict=True)]
+            row += f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        else:
+            row += "- |"
         print(row)
 
 
