@@ -11,6 +11,12 @@ masks are the same and training gives the same weights as without checkpointing.
 
 The module is changed in place (an instance ``forward``), so its type, parameters and state_dict
 keys stay the same: checkpoints load both ways. In evaluation (no gradients) nothing is recomputed.
+
+Caveat, replicas on threads (MirroredStrategy, CentralStorageStrategy) with dropout inside
+checkpointed blocks: the CPU random generator is one for the whole process, and a recomputation
+restores its saved state while other replica threads may be drawing from it, so a replica's replayed
+masks are not guaranteed to match its first pass. Use dropout-free checkpointed blocks there, or one
+process per replica (MultiWorkerMirroredStrategy), where the replay is exact.
 """
 
 from __future__ import annotations
