@@ -161,7 +161,11 @@ def _rank_shm_peer_never_arrives() -> str:
                 try:
                     algo.all_reduce(torch.ones(10))
                 except CollectiveTimeout as exc:
-                    return str(exc)
+                    try:  # the ranks are out of step now: later calls fail the same way at once
+                        algo.all_reduce_async(torch.ones(10)).wait()
+                    except CollectiveTimeout as again:
+                        return str(exc) if again is exc else "a second, different error"
+                    return "the second call did not fail"
             return ""
         finally:
             collectives.barrier()

@@ -151,6 +151,7 @@ class ShmAllReduce(AllReduceAlgorithm):
         self._segments: list[_Segment] = []  # [0]: the staging slots; then registered buffers
         self._peer_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._deferred: list[tuple[torch.Tensor, int]] = []
+        self._broken: CollectiveError | None = None  # a failed barrier leaves the ranks out of step
         self._socket: socket.socket | None = None
         self._arrived = [0] * self.world_size  # barrier messages received from each rank
         if self.world_size > 1:
@@ -240,6 +241,15 @@ class ShmAllReduce(AllReduceAlgorithm):
 
     # -- barriers ---------------------------------------------------------------------------------
     def _barrier(self, op: str) -> None:
+        if self._broken is not None:
+            raise self._broken
+        try:
+            self._wait_for_peers(op)
+        except CollectiveError as exc:  # the ranks are out of step: no later call can complete
+            self._broken = exc
+            raise
+
+    def _wait_for_peers(self, op: str) -> None:
         self._generation += 1
         generation, arrived = self._generation, self._arrived
         message = self.rank.to_bytes(2, "little")
@@ -364,6 +374,8 @@ class ShmAllReduce(AllReduceAlgorithm):
 
     def _flush(self, upto: int | None = None) -> None:
         """Run the queued asynchronous calls in order (those up to ``upto``, or all)."""
+        if self._broken is not None:
+            raise self._broken
         while self._deferred and (upto is None or self._deferred[0][1] <= upto):
             buffer, seq = self._deferred.pop(0)
             self._run_deferred(buffer, seq)
@@ -375,7 +387,7 @@ class ShmAllReduce(AllReduceAlgorithm):
                 code = SUPPORTED_DTYPES.index(buffer.dtype)
                 self.collectives.check_same([buffer.numel(), code], what=f"{op} buffer numel and dtype")
             self._reduce_now(buffer)
-        except CollectiveError:  # the group is broken: the queued calls can never complete
+        except CollectiveError:  # the ranks are out of step: the queued calls can never complete
             self._deferred.clear()
             raise
 
