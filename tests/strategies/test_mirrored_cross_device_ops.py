@@ -9,6 +9,7 @@ from _equivalence_cases import max_relative_difference, train_custom_loop
 from torch import nn
 
 import spread
+from spread.errors import SpreadError
 
 TOLERANCE = 1e-5
 CROSS_DEVICE_OPS = ["accumulate", "reduce_to_one", "hierarchical_copy"]
@@ -91,3 +92,16 @@ def test_unused_parameters_accumulation_and_plain_backward_match_accumulate(cros
 def test_unknown_cross_device_ops_is_refused():
     with pytest.raises(ValueError, match="hierarchical_copy"):
         spread.MirroredStrategy(num_replicas=2, cross_device_ops="nccl_all_reduce")
+
+
+def test_sparse_gradients_are_refused_with_the_way_out():
+    strategy = spread.MirroredStrategy(num_replicas=2, cross_device_ops="reduce_to_one", intra_op_threads=1)
+    try:
+        with strategy.scope():
+            table = nn.Embedding(10, 3, sparse=True)
+        ids = strategy.distribute_dataset((torch.arange(4),), 4, shuffle=False)
+        (batch,) = next(iter(ids))
+        with pytest.raises(SpreadError, match="accumulate"):
+            strategy.run(lambda i: table(i).sum().backward(), args=(batch,))
+    finally:
+        strategy.close()

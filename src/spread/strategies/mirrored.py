@@ -271,6 +271,12 @@ class _ReplicaGradients:
             grad = grads[0]
             if ctx is None or ctx.strategy is not self.strategy or grad is None:
                 return None
+            if grad.layout != torch.strided:
+                raise SpreadError(
+                    f"cross_device_ops={self.strategy.cross_device_ops!r} reduces dense gradients; a "
+                    f"parameter of shape {tuple(shape)} got a {grad.layout} one (e.g. a sparse "
+                    "embedding): use cross_device_ops='accumulate'"
+                )
             i = ctx.replica_id_in_sync_group
             slot = self.buffers[group][i][offset : offset + numel].view(shape)
             if key in self.present[i]:
