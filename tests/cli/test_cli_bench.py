@@ -98,3 +98,25 @@ def test_profile_document_has_schema_and_every_algorithm():
     assert set(doc["allreduce"]) == {"native", "shm"}
     assert all(link["alpha"] >= 0 and link["beta"] > 0 for link in doc["allreduce"].values())
     assert doc["compute"]["matmul_flops"] == 1e10
+
+
+def test_calibrate_writes_its_own_profile_without_the_planner(tmp_path, monkeypatch):
+    import argparse
+
+    from spread.cli import bench
+
+    real_import = bench.importlib.import_module
+
+    def no_planner(name, *args, **kwargs):
+        if name == "spread.plan.calibration":
+            raise ModuleNotFoundError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(bench.importlib, "import_module", no_planner)
+    out = tmp_path / "profile.json"
+    args = argparse.Namespace(calibrate=True, quick=True, output=str(out), benchmarks=None, timeout=240)
+    assert bench.run(args) == 0
+    profile = json.loads(out.read_text())
+    assert profile["schema_version"] == 1 and profile["kind"] == _bench_calibrate.KIND
+    assert {"native", "ring", "shm", "hierarchical", "reduce_to_one"} <= set(profile["allreduce"])
+    assert profile["compute"]["matmul_flops"] > 0
