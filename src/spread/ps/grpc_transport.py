@@ -114,21 +114,34 @@ class CallContext:
         self._callbacks.append(callback)
 
     def _terminated(self) -> None:
-        """gRPC says the call is over: end now unless the handler runs (it ends when it stops)."""
+        """gRPC says the call is over: end now if the handler is parked at a yield (it will not
+        be resumed), else leave it to the handler's own end (it sees ``is_active()`` False)."""
         with self._lock:
-            if self._running:
+            if self._running or self._ended:
                 return
-        self._end()
+            self._ended = True
+        self._run_callbacks()
 
-    def _set_running(self, running: bool) -> None:
+    def _park(self) -> None:
         with self._lock:
-            self._running = running
+            self._running = False
+
+    def _resume(self) -> bool:
+        """Whether the handler may run on (False once the call ended while it was parked)."""
+        with self._lock:
+            if self._ended:
+                return False
+            self._running = True
+            return True
 
     def _end(self) -> None:
         with self._lock:
             if self._ended:
                 return
             self._ended = True
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
         for callback in self._callbacks:
             try:
                 callback()
@@ -198,6 +211,7 @@ class RpcServer:
         self._streams = dict(stream_handlers or {})
         self._max_frame_bytes = max_frame_bytes
         self.refused_connections = 0
+        self._count_lock = threading.Lock()
         self._stopping = threading.Event()
         self._pool_prefix = f"spread-grpc-{name}"
         self._executor = ThreadPoolExecutor(_MAX_CONCURRENT_CALLS, thread_name_prefix=self._pool_prefix)
@@ -247,7 +261,8 @@ class RpcServer:
 
     # -- calls -------------------------------------------------------------------------------------
     def _refuse_token(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        self.refused_connections += 1
+        with self._count_lock:
+            self.refused_connections += 1
         context.abort(
             grpc.StatusCode.UNAUTHENTICATED,
             f"{self.name} refused the connection: the caller's SPREAD_JOB_TOKEN does not match this job's",
@@ -284,16 +299,14 @@ class RpcServer:
             context.set_details(f"{self.name}: {exc}")
             return
         call = CallContext(context)
-        if not context.add_callback(call._terminated):
-            call._end()  # the caller is already gone
+        context.add_callback(call._terminated)  # False: already over; is_active() says so
         messages = self._streams[method](meta, tensors, call)
         try:
             for message in messages:
                 frame = _frame(message)
-                call._set_running(False)
+                call._park()
                 yield frame
-                call._set_running(True)
-                if call._ended:
+                if not call._resume():
                     return  # the call ended while parked: do not run the handler any further
         except RequestRefused as exc:
             context.set_code(_REFUSED)
