@@ -110,7 +110,7 @@ class StageRunner:
             elif a.op is Op.FORWARD:
                 t0 = time.perf_counter()
                 x = inputs[i] if self.is_first else received[i]  # type: ignore[index]
-                with self._meter() as meter:
+                with self._meter(x if self.is_first else None) as meter:
                     out = self.module(x)
                     if self.is_last:
                         loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
@@ -157,11 +157,14 @@ class StageRunner:
         self.link.wait_sends()
         return outputs if self.is_last else None
 
-    def _meter(self) -> AbstractContextManager:
-        """Count the bytes a forward saves for backward (activations, not parameters) when recording."""
+    def _meter(self, data: Any) -> AbstractContextManager:
+        """Count the bytes a forward saves for backward when recording: activations, not parameters
+        and not the pipeline's input batch (a micro-batch is a view of it, whose whole storage would
+        otherwise be counted once per micro-batch)."""
         if not self.record:
             return nullcontext()
-        return SavedTensorBytes(exclude=list(self.module.parameters()))
+        exclude = [*self.module.parameters(), *([data] if isinstance(data, torch.Tensor) else [])]
+        return SavedTensorBytes(exclude=exclude)
 
     def _account(self, times: StepTimes, action: Action, t0: float) -> None:
         t1 = time.perf_counter()
