@@ -59,6 +59,19 @@ TOKEN_ENV = "SPREAD_JOB_TOKEN"
 _DEFAULT_TOKEN = "spread-default-job-token"
 
 
+def _default_token(addresses: tuple[str, ...]) -> str:
+    """The token when none is set: a fixed one on loopback only; across machines it must be set."""
+    remote = [
+        a for a in addresses if not a.rsplit(":", 1)[0].strip("[]").startswith(("127.", "localhost", "::1"))
+    ]
+    if remote:
+        raise SpreadError(
+            f"parameter servers on other hosts ({', '.join(remote)}) need {TOKEN_ENV} set to the same secret "
+            f"on every task; `spread run --ps` sets it for local jobs; export one for TF_CONFIG jobs"
+        )
+    return _DEFAULT_TOKEN
+
+
 class ParameterServerStrategy(Strategy):
     """Asynchronous (or synchronous) training against sharded parameter servers.
 
@@ -111,7 +124,7 @@ class ParameterServerStrategy(Strategy):
                 "ParameterServerStrategy needs parameter-server tasks: start the job with "
                 "`spread run --workers W --ps P script.py`, or list 'ps' tasks in TF_CONFIG"
             )
-        token = os.environ.get(TOKEN_ENV, _DEFAULT_TOKEN)
+        token = os.environ.get(TOKEN_ENV) or _default_token(servers)
         if self.cluster.role == "ps":
             serve(
                 self.cluster.task_index,
