@@ -90,7 +90,7 @@ def test_fit_needs_two_samples():
 
 def test_quick_calibration_measures_every_algorithm(tmp_path):
     profile = calibrate(tmp_path / "cal.json", quick=True)
-    assert {"native", "ring", "shm", "reduce_to_one", "hierarchical", "memory"} <= set(profile.links)
+    assert {"native", "ring", "shm", "reduce_to_one", "hierarchical", "memory", "ps"} <= set(profile.links)
     assert all(len(samples) == 3 for samples in profile.samples.values())
     assert profile.matmul_flops > 0 and 0.0 <= profile.overlap <= 1.0
     assert load_profile(tmp_path / "cal.json") == profile

@@ -1,7 +1,8 @@
 """One rank of the calibration job (``python -m spread.plan._calibration_worker``, under the launcher).
 
 Times every all-reduce algorithm on fp32 buffers of the given sizes (allocated and touched once,
-reused), then measures how much of the gradient exchange the real strategy hides behind backward:
+reused), times one push per size on the parameter servers' transport (rank 0 to a server on rank
+1), then measures how much of the gradient exchange the real strategy hides behind backward:
 an MLP step with the exchange (``t_sync``) and without it (``no_sync``: ``t_local``), and the bare
 all-reduce of its gradients (``t_comm``); the overlap is the ``eta`` for which
 :func:`spread.plan.costs.exposed_communication` explains ``t_sync - t_local``. Rank 0 writes JSON.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import time
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from spread.comm.algorithms import ALGORITHMS, make_algorithm
 from spread.plan.costs import exposed_communication
+from spread.ps.transports import DEFAULT_TRANSPORT
 from spread.strategies import MultiWorkerMirroredStrategy
 
 
@@ -71,6 +74,60 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> float:
     return round((lo + hi) / 2, 3)
 
 
+def _local_address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (loopback when ``host`` is local)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: no packet is sent, the kernel just picks the route
+        return probe.getsockname()[0]
+
+
+def _ps_transport_samples(
+    strategy: MultiWorkerMirroredStrategy, sizes: list[int], reps: int
+) -> list[list[float]]:
+    """Rank 1 serves a push method on the parameter servers' transport; rank 0 times pushes."""
+    from spread.ps.transports import rpc_module
+
+    rpc = rpc_module(os.environ.get("SPREAD_PS_TRANSPORT", DEFAULT_TRANSPORT))
+    token = os.environ.get("SPREAD_JOB_TOKEN", "calibration")
+    port = torch.zeros(1, dtype=torch.int64)
+    server = None
+    if strategy.rank == 1:
+        host = _local_address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        server = rpc.RpcServer("calibration server", {"push": lambda meta, tensors: ({}, {})}, token=token,
+                               address=f"{host}:0").start()  # fmt: skip
+        port[0] = int(server.address.rsplit(":", 1)[1])
+    strategy.collectives.broadcast(port, src=1, name="calibration.port")
+    peer_host = _peer_host(strategy)  # collective: every rank takes part
+    samples: list[list[float]] = []
+    try:
+        if strategy.rank == 0:
+            client = rpc.RpcClient(f"{peer_host}:{int(port[0])}", peer="calibration server", token=token)
+            try:
+                for nbytes in sizes:
+                    payload = {"x": torch.ones(max(nbytes // 4, 1))}
+                    seconds = _median_seconds(
+                        lambda p=payload: client.call("push", {}, p), reps, lambda: None
+                    )
+                    samples.append([float(nbytes), seconds, 2.0])
+            finally:
+                client.close()
+        strategy.collectives.barrier(name="calibration.ps_done")
+    finally:
+        if server is not None:
+            server.stop()
+    return samples
+
+
+def _peer_host(strategy: MultiWorkerMirroredStrategy) -> str:
+    """Rank 1's address as rank 0 reaches it: exchanged as four bytes over the process group."""
+    address = torch.zeros(4, dtype=torch.int64)
+    if strategy.rank == 1:
+        host = _local_address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        address.copy_(torch.tensor([int(part) for part in host.split(".")]))
+    strategy.collectives.broadcast(address, src=1, name="calibration.peer")
+    return ".".join(str(int(v)) for v in address)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
@@ -97,10 +154,12 @@ def main() -> None:
             finally:
                 algorithm.close()
         overlap = _overlap(strategy, args.reps)
+        sizes = [int(s) for s in args.sizes.split(",")]
+        ps_samples = _ps_transport_samples(strategy, sizes, args.reps) if n >= 2 else []
         if strategy.is_chief:
             tmp = f"{args.output}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"samples": samples, "overlap": overlap, "ranks": n}, f)
+                json.dump({"samples": samples, "ps": ps_samples, "overlap": overlap, "ranks": n}, f)
             os.replace(tmp, args.output)
     finally:
         strategy.close()

@@ -8,7 +8,8 @@ Schema (version 1)::
      "links": {"native": {"alpha": 6e-4, "beta": 7.8e8}, "shm": {...}, ...},
      "samples": {"native": [[bytes, seconds, ranks], ...], ...}}
 
-``links`` are alpha-beta fits (:func:`fit_link`) of the measured all-reduce times, with each
+``links`` are alpha-beta fits (:func:`fit_link`) of the measured all-reduce times (and ``"ps"``: one
+push on the parameter servers' transport), with each
 algorithm's own structure (:func:`spread.plan.costs.allreduce_terms`) factored out, so a fit made with
 2 ranks predicts other rank counts. The raw samples are kept so a profile can be refitted.
 """
@@ -150,7 +151,10 @@ def fit_link(algorithm: str, samples: list[tuple[float, float, int]]) -> Link:
     """
     rows = []
     for nbytes, seconds, ranks in samples:
-        g, f = allreduce_terms("native" if algorithm == "hierarchical" else algorithm, int(ranks))
+        if algorithm == "ps":  # one push or pull: a single message each way
+            g, f = 1.0, 1.0
+        else:
+            g, f = allreduce_terms("native" if algorithm == "hierarchical" else algorithm, int(ranks))
         if (g or f) and seconds > 0:  # weighted by 1/seconds: relative error, so small sizes count
             rows.append((g / seconds, f * nbytes / seconds, 1.0))
     if len(rows) < 2:

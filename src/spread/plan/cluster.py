@@ -22,6 +22,7 @@ DEFAULT_INTRA = {
     "reduce_to_one": Link(alpha=6e-4, beta=0.78e9),
     "shm": Link(alpha=2e-5, beta=8e9),
     "memory": Link(alpha=1e-6, beta=8e9),
+    "ps": Link(alpha=1e-4, beta=1.2e9),  # one push on the parameter servers' transport
 }
 DEFAULT_INTER = Link(alpha=5e-5, beta=1.25e9)
 
@@ -59,7 +60,7 @@ class ClusterModel:
             )
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
-        missing = {"native", "ring", "reduce_to_one", "shm", "memory"} - set(self.intra)
+        missing = {"native", "ring", "reduce_to_one", "shm", "memory", "ps"} - set(self.intra)
         if missing:
             raise ValueError(f"intra-node links missing for {sorted(missing)}")
 

@@ -86,6 +86,9 @@ def measure_machine(path: str | os.PathLike, *, quick: bool = False, nprocs: int
     flops = matmul_flops(n=512 if quick else 1024)
     result = measure_links(nprocs, QUICK_SIZES if quick else FULL_SIZES, 3 if quick else 7)
     links = {name: fit_link(name, [tuple(s) for s in samples]) for name, samples in result["samples"].items()}
+    if len(result.get("ps", [])) >= 2:
+        links["ps"] = fit_link("ps", [tuple(s) for s in result["ps"]])
+        result["samples"]["ps"] = result["ps"]
     links["memory"] = Link(alpha=1e-6, beta=bandwidth)
     profile = CalibrationProfile(
         machine=f"{platform.node()} {platform.machine()} {devices} {'GPU' if cuda else 'CPU core'}(s)",

@@ -216,7 +216,7 @@ def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Option
         else 0
     )
     moved = p.dense_bytes + rows * p.sparse_row_bytes
-    link = cl.link("native")
+    link = cl.link("ps")
     step, rate = parameter_server_rate(
         worker_compute_s=compute,
         batch_per_worker=int(per_worker),

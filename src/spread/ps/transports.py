@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+DEFAULT_TRANSPORT = "socket"  # what ParameterServerStrategy uses unless SPREAD_PS_TRANSPORT says otherwise
 TRANSPORTS = {
     "socket": "spread.ps.transport",
     "grpc": "spread.ps.grpc_transport",

@@ -49,7 +49,7 @@ from spread.ps.client import DEFAULT_TIMEOUT, PSClient
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.server import serve
-from spread.ps.transports import TRANSPORTS
+from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
 from spread.strategies.base import Strategy, check_reduce_op
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.values import PerReplica
@@ -108,7 +108,7 @@ class ParameterServerStrategy(Strategy):
             raise ValueError("max_staleness applies to mode='async' only (sync mode has no staleness)")
         if min_shard_bytes < 1:
             raise ValueError(f"min_shard_bytes must be >= 1, got {min_shard_bytes!r}")
-        transport = transport or os.environ.get("SPREAD_PS_TRANSPORT", "socket")
+        transport = transport or os.environ.get("SPREAD_PS_TRANSPORT", DEFAULT_TRANSPORT)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
