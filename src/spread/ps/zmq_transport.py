@@ -96,9 +96,9 @@ def _join(parts: list[zmq.Frame] | list[bytes]) -> bytearray:
     """The frame's parts in one writable buffer (one copy), which decoded tensors then view."""
     views = [p.buffer if isinstance(p, zmq.Frame) else memoryview(p) for p in parts]
     buf = bytearray(sum(v.nbytes for v in views))
-    offset = 0
+    out, offset = memoryview(buf), 0  # memoryview slices copy at memcpy speed (bytearray's do not)
     for view in views:
-        buf[offset : offset + view.nbytes] = view
+        out[offset : offset + view.nbytes] = view
         offset += view.nbytes
     return buf
 
