@@ -459,7 +459,7 @@ class _Connection:
             if ready.get(self.monitor):
                 self.events()
                 if self.lost:
-                    raise _Lost("connection lost (it died?)")
+                    raise _Lost("connection lost (it died, or dropped a message part over its size limit)")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
