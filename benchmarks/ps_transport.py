@@ -1,11 +1,10 @@
 """Transport candidates for the parameter servers: push and pull of a 4 MB float32 tensor on loopback.
 
 Candidates, each with its server in a second process (1 thread each):
-  socket    spread.ps.transport: framed TCP, HMAC token handshake, spread.ps.wire frames (chosen)
-  spread-grpc spread.ps.grpc_transport: the same API as spread.ps.transport on grpcio (generic
-            handlers, wire frames as raw bytes, HMAC token proof in the call metadata)
-  spread-zmq spread.ps.zmq_transport: the same API on pyzmq (ROUTER/DEALER, multipart wire frames
-            sent without copying, HMAC token proof in every message)
+  spread-zmq spread.ps.zmq_transport (the default): pyzmq ROUTER/DEALER, multipart wire frames
+            sent without copying, HMAC token proof in every message
+  spread-grpc spread.ps.grpc_transport: the same API on grpcio (generic handlers, wire frames as
+            raw bytes, HMAC token proof in the call metadata)
   grpc      grpcio generic handlers with raw-bytes (de)serializers carrying the same wire frames and
             a token proof in the call metadata (no protobuf codegen, no pickle)
   torch_rpc torch.distributed.rpc with TensorPipe (pickles Python arguments: not allowed for spread)
@@ -56,32 +55,6 @@ def _client_ops(call, x):
         "echo": lambda: call("echo", {}, {"x": x}),
         "ping": lambda: call("ping", {}, {}),
     }
-
-
-def _socket_server(token: str, conn) -> None:
-    _threads()
-    import torch
-
-    from spread.ps.transport import RpcServer
-
-    server = RpcServer("bench", _handlers(torch.randn(NUMEL)), token=token).start()
-    conn.send(server.address)
-    conn.recv()  # until the client is done
-    server.stop()
-
-
-def bench_socket(reps: int, calls: int) -> dict[str, list[float]]:
-    import torch
-
-    from spread.ps.transport import RpcClient
-
-    token = secrets.token_hex(8)
-    with _server_process(_socket_server, token) as (address, _):
-        client = RpcClient(address, peer="bench server", token=token)
-        x = torch.randn(NUMEL)
-        out = _time_ops(_client_ops(lambda m, meta, t: client.call(m, meta, t), x), reps, calls)
-        client.close()
-    return out
 
 
 # -- spread's gRPC transport ----------------------------------------------------------------------
@@ -288,12 +261,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20)
-    candidates = ["socket", "spread-grpc", "spread-zmq", "grpc", "torch_rpc"]
+    candidates = ["spread-zmq", "spread-grpc", "grpc", "torch_rpc"]
     ap.add_argument("--only", choices=candidates, default=None)
     a = ap.parse_args()
     _threads()
     runs = {
-        "socket": bench_socket,
         "spread-grpc": bench_spread_grpc,
         "spread-zmq": bench_spread_zmq,
         "grpc": bench_grpc,

@@ -18,7 +18,7 @@ TOKEN = "server-test-token"
 SGD = {"type": "sgd", "lr": 1.0, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}
 
 
-@pytest.fixture(params=["socket", "grpc", "zmq"])
+@pytest.fixture(params=["zmq", "grpc"])
 def cluster(request):
     servers = [ParameterServer(i, token=TOKEN, transport=request.param).start() for i in range(2)]
     client = PSClient([s.address for s in servers], token=TOKEN, timeout=10, transport=request.param)

@@ -15,7 +15,7 @@ ROWS, DIM = 100_000, 16
 ROW_BYTES = DIM * 4
 
 
-@pytest.fixture(params=["socket", "grpc", "zmq"])
+@pytest.fixture(params=["zmq", "grpc"])
 def job(monkeypatch, request):
     monkeypatch.setenv("SPREAD_JOB_TOKEN", TOKEN)
     servers = [ParameterServer(i, token=TOKEN, transport=request.param).start() for i in range(2)]

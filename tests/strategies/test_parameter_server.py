@@ -117,7 +117,7 @@ def test_bad_settings_are_refused_by_name():
 
 def test_remote_servers_without_a_job_token_are_refused(monkeypatch):
     monkeypatch.delenv("SPREAD_JOB_TOKEN", raising=False)
-    with pytest.raises(SpreadError, match="10.0.0.5:2222.*need SPREAD_JOB_TOKEN"):
+    with pytest.raises(SpreadError, match=r"10\.0\.0\.5:2222.*need SPREAD_JOB_TOKEN"):
         spread.ParameterServerStrategy(cluster=_spec(ps=("10.0.0.5:2222",)))
 
 

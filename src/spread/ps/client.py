@@ -17,9 +17,9 @@ import torch
 
 from spread.errors import ParameterServerError
 from spread.ps.placement import Placement
-from spread.ps.transport import Message, RpcClient
-from spread.ps.transports import rpc_module
+from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
 from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES
+from spread.ps.zmq_transport import Message, RpcClient
 
 DEFAULT_TIMEOUT = 60.0
 _CREATE_CHUNK_BYTES = 256 * 1024 * 1024
@@ -35,7 +35,12 @@ class PSClient:
     """
 
     def __init__(
-        self, addresses: list[str], *, token: str, timeout: float = DEFAULT_TIMEOUT, transport: str = "socket"
+        self,
+        addresses: list[str],
+        *,
+        token: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: str = DEFAULT_TRANSPORT,
     ) -> None:
         if not addresses:
             raise ValueError("a parameter-server job needs at least one server address")

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from spread.errors import SpreadError
-from spread.ps.transport import CallContext, Message
-from spread.ps.transports import rpc_module
+from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
 from spread.ps.wire import Tensors
+from spread.ps.zmq_transport import CallContext, Message
 
 DEFAULT_WORKER_TIMEOUT = 300.0
 _TICK = 0.1
@@ -118,7 +118,7 @@ class ClusterCoordinator:
         self.role = cluster.role
         self.worker_timeout = worker_timeout
         self._token = strategy.job_token
-        self._rpc = rpc_module(getattr(strategy, "transport", "socket"))
+        self._rpc = rpc_module(getattr(strategy, "transport", DEFAULT_TRANSPORT))
         self._dataset_builders: list[Callable[[], Iterable[Any]] | Iterable[Any]] = []
         self._closed = False
         if self.role == "chief":

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from spread.ps.optimizers import ServerOptimizer
-from spread.ps.transports import rpc_module
+from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
 from spread.ps.wire import Tensors
 
 MODES = ("async", "sync")
@@ -36,7 +36,7 @@ class ParameterServer:
     """One server task. Start with :meth:`start`; :meth:`serve_until_stopped` blocks for the ``ps`` role."""
 
     def __init__(
-        self, index: int, *, token: str, address: str | None = None, transport: str = "socket"
+        self, index: int, *, token: str, address: str | None = None, transport: str = DEFAULT_TRANSPORT
     ) -> None:
         self.index = index
         self.name = f"parameter server {index}"
@@ -320,7 +320,7 @@ class ParameterServer:
             return {"version": self.version, "optimizer": spec}, out
 
 
-def serve(index: int, *, token: str, address: str, transport: str = "socket") -> None:
+def serve(index: int, *, token: str, address: str, transport: str = DEFAULT_TRANSPORT) -> None:
     """Run parameter server ``index`` at ``address`` until the chief says stop (the ``ps`` role's main)."""
     server = ParameterServer(index, token=token, address=address, transport=transport).start()
     server.serve_until_stopped()

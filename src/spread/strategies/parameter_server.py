@@ -83,8 +83,8 @@ class ParameterServerStrategy(Strategy):
         timeout: seconds for one call to a server; a dead server is reported, named, within it.
         init_timeout: seconds to wait for the servers and the chief's variables at start-up.
         shutdown_timeout: seconds the chief waits, when closing, for the workers to finish.
-        transport: the RPC layer, ``"socket"`` (framed TCP) or ``"grpc"``; default
-            ``SPREAD_PS_TRANSPORT`` or ``"socket"``. Every task of a job must use the same.
+        transport: the RPC layer, ``"zmq"`` (ZeroMQ) or ``"grpc"``; default
+            ``SPREAD_PS_TRANSPORT`` or ``"zmq"``. Every task of a job must use the same.
     """
 
     def __init__(
