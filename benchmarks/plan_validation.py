@@ -61,18 +61,15 @@ def _measure(workload: str, candidate, steps: int, timeout: float) -> float | No
             candidate.strategy,
         ]
         n = candidate.devices
+        run = [sys.executable, "-m", "spread.cli.main", "run"]
         if candidate.strategy == "multi_worker_mirrored":
-            cmd = [
-                sys.executable,
-                "-m",
-                "spread.cli.main",
-                "run",
-                "-n",
-                str(n),
-                *worker,
-                "--communication",
-                candidate.get("communication"),
-            ]
+            cmd = [*run, "-n", str(n), *worker, "--communication", candidate.get("communication")]
+        elif candidate.strategy == "parameter_server":
+            servers = candidate.get("servers")
+            cmd = [*run, "--workers", str(n - servers - 1), "--ps", str(servers), *worker]
+        elif candidate.strategy == "pipeline":
+            stages, micro = str(candidate.get("stages")), str(candidate.get("microbatches"))
+            cmd = [*run, "-n", str(n), *worker, "--stages", stages, "--microbatches", micro]
         elif candidate.strategy == "one_device":
             cmd = [sys.executable, *worker, "--threads", str(os.cpu_count() or 1)]
         else:
@@ -98,6 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", default=None, help="also write every row as JSON here")
+    parser.add_argument("--strategies", default=",".join(sorted(MEASURABLE)), help="subset to measure")
     args = parser.parse_args()
     if not os.path.exists(args.profile):
         print(f"calibrating into {args.profile} ...", file=sys.stderr)
@@ -115,7 +113,9 @@ def main() -> None:
         )
         for n in counts:
             cluster = ClusterModel.from_profile(calibration, devices_per_node=n)
-            plan = make_plan(profile, cluster, Options(global_batch=global_batch), tuple(sorted(MEASURABLE)))
+            plan = make_plan(
+                profile, cluster, Options(global_batch=global_batch), tuple(args.strategies.split(","))
+            )
             measured_here = []
             for prediction in plan.predictions:
                 c = prediction.candidate
