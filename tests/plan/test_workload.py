@@ -65,3 +65,12 @@ def test_embedding_rows_touched_are_counted():
 def test_a_batch_of_one_is_refused():
     with pytest.raises(ValueError, match="at least 2 samples"):
         measure_model(_mlp(), nn.CrossEntropyLoss(), torch.randn(1, 32), torch.zeros(1, dtype=torch.long))
+
+
+def test_optimizers_whose_defaults_hold_extra_keys_are_copied():
+    # torch's AdamW keeps "decoupled_weight_decay" in its defaults but does not take it as an argument.
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), x, y, optimizer=optimizer, repeats=1)
+    assert profile.optimizer_bytes >= 2 * profile.param_bytes

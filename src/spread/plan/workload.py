@@ -10,6 +10,7 @@ copies).
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -107,6 +108,17 @@ def _take(batch: Any, n: int) -> Any:
     if isinstance(batch, dict):
         return {k: _take(v, n) for k, v in batch.items()}
     return batch
+
+
+def _same_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and settings over ``params`` (the copies).
+
+    ``defaults`` can hold keys the constructor does not take (torch 2.13's AdamW records
+    ``decoupled_weight_decay``), so only the constructor's own arguments are passed on.
+    """
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    return type(optimizer)(params, **settings)
 
 
 def _median_time(fn: Callable[[], None], repeats: int) -> float:
@@ -207,7 +219,7 @@ def measure_model(
         optimizer_bytes = 0.0
         optimizer_seconds = 0.0
         if optimizer is not None:
-            opt = type(optimizer)(params, **optimizer.defaults)
+            opt = _same_optimizer(optimizer, params)
             step(batch)
             optimizer_seconds = _median_time(opt.step, repeats)
             optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
