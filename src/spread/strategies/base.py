@@ -30,6 +30,27 @@ def check_reduce_op(op: str) -> str:
     return op
 
 
+def one_replica_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    """The value of a process that drives one replica, as a tensor on ``device``.
+
+    A one-value ``PerReplica`` is unwrapped; a tensor already on ``device`` is returned as is.
+    """
+    if isinstance(value, PerReplica):
+        (value,) = value.values
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return torch.as_tensor(value, device=device)
+
+
+def reduce_locally(op: str, value: Any, axis: int | None, device: torch.device) -> torch.Tensor:
+    """``reduce`` when this process's replica is the only one it combines (nothing crosses processes)."""
+    op = check_reduce_op(op)
+    tensor = one_replica_tensor(value, device)
+    if axis is None:
+        return tensor
+    return tensor.sum(dim=axis) if op == "sum" else tensor.mean(dim=axis)
+
+
 class Strategy(abc.ABC):
     """Base class: ``scope``, ``run``, ``reduce``, ``gather``, ``distribute_dataset``.
 

@@ -18,15 +18,15 @@ import torch.distributed as dist
 from torch import nn
 
 from spread.cluster import ClusterSpec, resolve_cluster
-from spread.cluster.rendezvous import Rendezvous, default_backend, rendezvous
+from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_algorithm
 from spread.comm.bucketing import COMPRESSIONS
 from spread.data import ReplicaLayout, StepInfo
 from spread.errors import SpreadError
-from spread.strategies.base import Strategy, SupportsNoSync, check_reduce_op
+from spread.strategies.base import Strategy, SupportsNoSync, check_reduce_op, one_replica_tensor
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
-from spread.values import PerReplica
+from spread.strategies.process_group import join_process_group, local_device
 
 COMMUNICATIONS = ALGORITHM_NAMES  # "auto" and every name of spread.comm.algorithms.ALGORITHMS
 
@@ -76,20 +76,11 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
                 f"a {self.cluster.role} task is not part of synchronous training; "
                 f"MultiWorkerMirroredStrategy runs on chief and worker tasks only"
             )
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
-            self._device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self._device = torch.device("cpu")
-        self._rendezvous: Rendezvous | None = None
-        if not dist.is_initialized():
-            self._rendezvous = rendezvous(
-                self.cluster,
-                backend=default_backend(self._device),
-                init_timeout=init_timeout,
-                collective_timeout=collective_timeout,
-            )
-        elif dist.get_world_size() != self.cluster.world_size:
+        self._device = local_device(self.cluster)
+        self._rendezvous: Rendezvous | None = join_process_group(
+            self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
+        )
+        if self._rendezvous is None and dist.get_world_size() != self.cluster.world_size:
             raise SpreadError(
                 f"the existing process group has {dist.get_world_size()} ranks but the cluster spec says "
                 f"{self.cluster.world_size}"
@@ -174,12 +165,12 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
         if axis is not None:
             gathered = self.gather(value, axis=axis)
             return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
-        tensor = _local_tensor(value, self.device).detach().clone()
+        tensor = one_replica_tensor(value, self.device).detach().clone()
         self.collectives.all_reduce(tensor, name=f"reduce[{op}]")
         return tensor if op == "sum" else tensor / self.num_replicas_in_sync
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
-        tensor = _local_tensor(value, self.device).detach()
+        tensor = one_replica_tensor(value, self.device).detach()
         moved = tensor.movedim(axis, 0).contiguous()
         parts = self.collectives.all_gather_uneven(moved, name="gather")
         return torch.cat(parts, dim=0).movedim(0, axis)
@@ -215,11 +206,3 @@ def _broadcast_flat(collectives: Collectives, tensors: list[torch.Tensor]) -> No
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def _local_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, PerReplica):
-        (value,) = value.values
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    return torch.as_tensor(value, device=device)

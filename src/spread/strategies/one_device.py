@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from spread.data import ReplicaLayout
-from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.base import Strategy, one_replica_tensor, reduce_locally
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
-from spread.values import PerReplica
 
 
 def default_device() -> torch.device:
@@ -54,19 +53,7 @@ class OneDeviceStrategy(Strategy):
             _set_replica_context(outer)
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        op = check_reduce_op(op)
-        tensor = _as_tensor(value, self.device)
-        if axis is None:
-            return tensor
-        return tensor.sum(dim=axis) if op == "sum" else tensor.mean(dim=axis)
+        return reduce_locally(op, value, axis, self.device)
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
-        return _as_tensor(value, self.device)
-
-
-def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, PerReplica):
-        (value,) = value.values
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.as_tensor(value, device=device)
+        return one_replica_tensor(value, self.device)

@@ -50,9 +50,9 @@ from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.server import serve
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
-from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.base import Strategy, one_replica_tensor, reduce_locally
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
-from spread.values import PerReplica
+from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
 TOKEN_ENV = "SPREAD_JOB_TOKEN"
@@ -133,11 +133,7 @@ class ParameterServerStrategy(Strategy):
                 transport=transport,
             )
             raise SystemExit(0)
-        if torch.cuda.is_available() and self.cluster.rank >= 0:
-            torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
-            self._device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self._device = torch.device("cpu")
+        self._device = local_device(self.cluster) if self.cluster.rank >= 0 else torch.device("cpu")
         self.job_token = token  # for the coordinator's own server; never printed
         self.client = PSClient(list(servers), token=token, timeout=timeout, transport=transport)
         self.placement = Placement({}, len(servers))
@@ -317,14 +313,10 @@ class ParameterServerStrategy(Strategy):
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """This worker's value (workers do not wait for each other, so nothing is combined)."""
-        op = check_reduce_op(op)
-        tensor = _local_tensor(value, self.device)
-        if axis is None:
-            return tensor
-        return tensor.sum(dim=axis) if op == "sum" else tensor.mean(dim=axis)
+        return reduce_locally(op, value, axis, self.device)
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
-        return _local_tensor(value, self.device)
+        return one_replica_tensor(value, self.device)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def bytes_moved(self) -> int:
@@ -441,11 +433,3 @@ def _row_gradient(grad: torch.Tensor, touched: list[torch.Tensor]) -> tuple[torc
         return g.indices()[0].to("cpu"), g.values()
     ids = torch.unique(torch.cat(touched)) if touched else grad.new_zeros(0, dtype=torch.int64)
     return ids, grad[ids.to(grad.device)]
-
-
-def _local_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, PerReplica):
-        (value,) = value.values
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.as_tensor(value, device=device)

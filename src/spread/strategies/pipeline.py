@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spread.cluster import ClusterSpec, resolve_cluster
-from spread.cluster.rendezvous import Rendezvous, default_backend, rendezvous
+from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.ops import classify_error
 from spread.data import ReplicaLayout
@@ -62,9 +62,9 @@ from spread.pipeline import (
 )
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
-from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.base import Strategy, check_reduce_op, one_replica_tensor
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
-from spread.values import PerReplica
+from spread.strategies.process_group import join_process_group, local_device
 
 _WRAP_KIND = "pipeline"
 _CHIEF_SAVERS = ("BackupAndRestore", "ModelCheckpoint")
@@ -135,19 +135,10 @@ class PipelineStrategy(Strategy):
                 f"processes, but the job has {self.cluster.world_size}; launch it with "
                 f"`spread run -n {stages * replicas}` (or change stages/replicas)"
             )
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.cluster.local_rank % torch.cuda.device_count())
-            self._device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self._device = torch.device("cpu")
-        self._rendezvous: Rendezvous | None = None
-        if not dist.is_initialized():
-            self._rendezvous = rendezvous(
-                self.cluster,
-                backend=default_backend(self._device),
-                init_timeout=init_timeout,
-                collective_timeout=collective_timeout,
-            )
+        self._device = local_device(self.cluster)
+        self._rendezvous: Rendezvous | None = join_process_group(
+            self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
+        )
         self.rank = dist.get_rank()
         self.stage, self.replica = self.rank % stages, self.rank // stages
         self.world = Collectives(device=self._device)
@@ -408,13 +399,13 @@ class PipelineStrategy(Strategy):
         if axis is not None:
             gathered = self.gather(value, axis=axis)
             return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
-        tensor = _local_tensor(value, self._device).detach().clone()
+        tensor = one_replica_tensor(value, self._device).detach().clone()
         with self._guard(f"reduce[{op}]"):
             self.replica_collectives.all_reduce(tensor, name=f"reduce[{op}]")
         return tensor if op == "sum" else tensor / self.replicas
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
-        tensor = _local_tensor(value, self._device).detach()
+        tensor = one_replica_tensor(value, self._device).detach()
         with self._guard("gather"):
             parts = self.replica_collectives.all_gather_uneven(tensor.movedim(axis, 0).contiguous())
         return torch.cat(parts, dim=0).movedim(0, axis)
@@ -524,11 +515,3 @@ def _broadcast_from(collectives: Collectives, tensors: list[torch.Tensor], src: 
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def _local_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, PerReplica):
-        (value,) = value.values
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    return torch.as_tensor(value, device=device)
