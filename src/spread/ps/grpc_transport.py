@@ -25,7 +25,6 @@ off); every client call has a deadline; :meth:`RpcServer.stop` joins every threa
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -42,9 +41,17 @@ import grpc
 import torch
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
-from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, Tensors, decode, encode_parts
+from spread.ps.rpc_api import (
+    DEFAULT_HOST,
+    Handler,
+    Message,
+    RequestRefused,
+    StreamHandler,
+    split_address,
+    token_proof,
+)
+from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, encode_parts
 
-DEFAULT_HOST = "127.0.0.1"
 SERVICE = "spread.ps"
 PROOF_KEY = "spread-job-proof"
 _PROOF_LABEL = b"grpc-metadata"
@@ -57,26 +64,6 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _FAULT = grpc.StatusCode.INTERNAL
 _log = logging.getLogger(__name__)
 _start_lock = threading.Lock()
-
-Message = tuple[dict[str, Any], Tensors]
-Handler = Callable[[dict[str, Any], Tensors], Message]
-StreamHandler = Callable[[dict[str, Any], Tensors, "CallContext"], Iterator[Message]]
-
-
-class RequestRefused(Exception):
-    """Raised by a handler to refuse a request with a message for the caller (not a server fault)."""
-
-
-def token_proof(token: str, nonce: bytes) -> bytes:
-    """``HMAC-SHA256(token, label + nonce)``: proves the token without sending it."""
-    return hmac.new(token.encode(), b"spread-rpc-v1:" + nonce, hashlib.sha256).digest()
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected a 'host:port' address, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _target(host: str, port: int) -> str:

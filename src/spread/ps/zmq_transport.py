@@ -32,7 +32,6 @@ started and terminates its ZeroMQ context.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -49,9 +48,17 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
-from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, Tensors, decode, encode_parts
+from spread.ps.rpc_api import (
+    DEFAULT_HOST,
+    Handler,
+    Message,
+    RequestRefused,
+    StreamHandler,
+    split_address,
+    token_proof,
+)
+from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, encode_parts
 
-DEFAULT_HOST = "127.0.0.1"
 _PROOF_LABEL = b"zmq-message"
 CALL, STREAM, CANCEL = b"C", b"S", b"X"
 OK, REFUSED, INVALID, FAULT, DENIED, STREAM_OPEN, STREAM_ITEM, STREAM_END, HEARTBEAT = (
@@ -62,26 +69,6 @@ _MAX_PARTS = 4096  # a frame's header and tensors; more is refused before decodi
 _HEARTBEAT_MS = 10_000  # ZMTP heartbeats: notice a peer whose host died (no FIN ever comes)
 _PROBE_INTERVAL = 0.5  # at most one liveness probe per stream this often
 _log = logging.getLogger(__name__)
-
-Message = tuple[dict[str, Any], Tensors]
-Handler = Callable[[dict[str, Any], Tensors], Message]
-StreamHandler = Callable[[dict[str, Any], Tensors, "CallContext"], Iterator[Message]]
-
-
-class RequestRefused(Exception):
-    """Raised by a handler to refuse a request with a message for the caller (not a server fault)."""
-
-
-def token_proof(token: str, nonce: bytes) -> bytes:
-    """``HMAC-SHA256(token, label + nonce)``: proves the token without sending it."""
-    return hmac.new(token.encode(), b"spread-rpc-v1:" + nonce, hashlib.sha256).digest()
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected a 'host:port' address, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _endpoint(host: str, port: int | str) -> str:
