@@ -109,7 +109,14 @@ def main() -> None:
         counts = sorted({int(n) for n in args.procs.split(",")})
         threads = sorted({1, cores, *(max(1, cores // n) for n in counts)})
         profile = measure_model(
-            model, loss_fn, x, y, optimizer=make_optimizer(model.parameters()), threads=threads, name=name
+            model,
+            loss_fn,
+            x,
+            y,
+            optimizer=make_optimizer(model.parameters()),
+            threads=threads,
+            concurrency=[n for n in counts if n > 1],
+            name=name,
         )
         for n in counts:
             cluster = ClusterModel.from_profile(calibration, devices_per_node=n)

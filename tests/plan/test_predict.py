@@ -71,6 +71,27 @@ def test_multi_worker_mirrored_shm_by_hand():
     assert p.memory.total == pytest.approx(10 * MB * 3 + 20 * MB + 50 * 4000)
 
 
+def test_replicas_slowing_each_other_scale_compute_but_not_the_baseline():
+    # Measured contention 1.5 at 2 replicas: each 50-sample step takes 75 ms instead of 50 ms; the
+    # all-reduce (35 ms, ready when backward ends) and the update (10 ms) are unchanged.
+    crowded = _profile(contention={2: 1.5})
+    c = Candidate("multi_worker_mirrored", 2, (("communication", "shm"),))
+    p = predict(c, crowded, _cluster(), Options(global_batch=100))
+    assert p.parts["compute"] == pytest.approx(0.075)
+    assert p.step_seconds == pytest.approx(0.075 + 0.035 + 0.01)
+    # The efficiency baseline is one process alone: no contention in it.
+    assert p.scaling_efficiency == pytest.approx((100 / 0.12) / (2 * 100 / 0.11))
+    mirrored = predict(Candidate("mirrored", 2), crowded, _cluster(), Options(global_batch=100))
+    assert mirrored.step_seconds == pytest.approx(0.075 + 0.01)
+    alone = predict(Candidate("one_device", 1), crowded, _cluster(), Options(global_batch=100))
+    assert alone.step_seconds == pytest.approx(100 * 0.6e-3 + 0.01)
+    # Accelerators (no shared cores) do not contend: the factor is a CPU effect.
+    gpus = predict(c, crowded, _cluster(cores_per_node=None), Options(global_batch=100))
+    assert gpus.parts["compute"] == pytest.approx(
+        predict(c, _profile(), _cluster(cores_per_node=None), Options(global_batch=100)).parts["compute"]
+    )
+
+
 def test_slow_native_loses_to_shm_and_accumulation_divides_activations():
     opts = Options(global_batch=100, accumulation_steps=2)
     native = predict(

@@ -74,3 +74,47 @@ def test_optimizers_whose_defaults_hold_extra_keys_are_copied():
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
     profile = measure_model(model, nn.CrossEntropyLoss(), x, y, optimizer=optimizer, repeats=1)
     assert profile.optimizer_bytes >= 2 * profile.param_bytes
+
+
+def test_replica_counts_cover_the_node_without_measuring_every_count():
+    from spread.plan.workload import replica_counts
+
+    assert replica_counts(1) == []
+    assert replica_counts(2) == [2]
+    assert replica_counts(3) == [2, 3]
+    assert replica_counts(8) == [2, 3, 4, 8]
+    assert replica_counts(64) == [2, 3, 4, 8, 16, 64]
+    assert replica_counts(1000) == [2, 3, 4, 8, 16, 1000]  # at most six, always ending at the node
+
+
+def test_contention_is_measured_for_each_replica_count_and_never_below_one():
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), x, y, threads=(1, 2), concurrency=(2, 3), repeats=2)
+    assert sorted(profile.contention) == [2, 3]
+    assert all(factor >= 1.0 for factor in profile.contention.values())
+    assert profile.contention_factor(1) == 1.0
+    assert profile.contention_factor(3) == profile.contention[3]
+    assert profile.contention_factor(7) == profile.contention[3]  # past the largest: the largest
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_replica_that_fails_while_measuring_contention_raises_in_the_caller():
+    import threading
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():  # only the concurrent replicas
+            raise RuntimeError("replica blew up")
+        return nn.functional.cross_entropy(out, target)
+
+    with pytest.raises(RuntimeError, match="replica blew up"):
+        measure_model(
+            _mlp(),
+            loss,
+            torch.randn(16, 32),
+            torch.randint(0, 10, (16,)),
+            threads=(2,),
+            concurrency=(2,),
+            repeats=1,
+        )

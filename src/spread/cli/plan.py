@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     from spread.plan.capture import CaptureError, capture_factory, capture_script
     from spread.plan.predict import STRATEGY_NAMES, Options
     from spread.plan.report import plot, render
-    from spread.plan.workload import measure_model
+    from spread.plan.workload import measure_model, replica_counts
 
     if bool(args.script) == bool(args.model):
         print("spread plan: give a SCRIPT or --model MODULE:FUNCTION (one of them)", file=sys.stderr)
@@ -162,6 +162,7 @@ def _run(args: argparse.Namespace) -> int:
             workload.targets,
             optimizer=workload.optimizer,
             threads=threads if cores else (1,),
+            concurrency=replica_counts(min(cluster.devices_per_node, 2 * cores)) if cores else (),
             name=workload.source,
         )
         options = Options(

@@ -99,17 +99,26 @@ class Prediction:
 
 
 def _compute(
-    profile: ModelProfile, cluster: ClusterModel, batch: float, processes_per_node: int, k: int
+    profile: ModelProfile,
+    cluster: ClusterModel,
+    batch: float,
+    processes_per_node: int,
+    k: int,
+    *,
+    concurrent: int = 1,
 ) -> float:
     """Forward+backward of ``batch`` samples as ``k`` accumulation micro-steps on one device.
 
     On CPU nodes the processes share ``cores_per_node``: each gets ``cores // processes`` intra-op
-    threads, and more processes than cores run time-sliced (slower by ``processes / cores``).
+    threads, more processes than cores run time-sliced (slower by ``processes / cores``), and
+    ``concurrent`` replicas computing at the same time also slow each other through the shared
+    memory system, by the model's measured :meth:`~ModelProfile.contention_factor`.
     """
     threads, crowding = None, 1.0
     if cluster.cores_per_node is not None:
         threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
         crowding = max(1.0, processes_per_node / cluster.cores_per_node)
+        crowding *= profile.contention_factor(concurrent)
     return crowding * k * profile.compute_seconds(batch / k, threads) / cluster.compute_scale
 
 
@@ -177,7 +186,8 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     n = c.devices
     in_process = c.strategy in ("mirrored", "central_storage")
     local = o.global_batch / n
-    compute = _compute(p, cl, local, min(n, cl.devices_per_node), o.accumulation_steps)
+    per_node = min(n, cl.devices_per_node)
+    compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node)
     backward = compute / o.accumulation_steps * p.backward_fraction
     grad_bytes = p.param_bytes
     if c.strategy == "mirrored":  # replicas share the parameters; autograd sums into them

@@ -1,10 +1,11 @@
 """Profile a user's model on this device: step time, memory terms, sparse traffic, per-layer shares.
 
 The planner predicts from measurements, not from FLOP counts: a few real forward/backward passes at
-two batch sizes give a linear step-time model ``fixed + per_sample * batch`` per thread count;
-saved-tensor hooks count the activation bytes autograd keeps; one optimizer step on a copy counts
-the optimizer's state. The user's model and optimizer are never touched (everything runs on deep
-copies).
+two batch sizes give a linear step-time model ``fixed + per_sample * batch`` per thread count; ``k``
+copies stepping at once give the slowdown ``k`` replicas inflict on each other beyond sharing the
+cores (memory bandwidth and caches, which matter on CPUs); saved-tensor hooks count the activation
+bytes autograd keeps; one optimizer step on a copy counts the optimizer's state. The user's model
+and optimizer are never touched (everything runs on deep copies).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +52,20 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...] = field(default_factory=tuple)
     # (fraction of backward elapsed, fraction of gradient bytes ready), measured; None: even pace
     gradient_arrival: tuple[tuple[float, float], ...] | None = None
+    # replicas computing at once -> slowdown of each one's step beyond core sharing (>= 1), measured
+    contention: dict[int, float] = field(default_factory=dict)
+
+    def contention_factor(self, replicas: int) -> float:
+        """How much slower each of ``replicas`` concurrent replicas computes than one alone would.
+
+        1.0 for one replica or when nothing was measured; past the largest measured count, the
+        largest count's factor (more replicas than cores are slowed by time-slicing on top, which
+        the caller adds).
+        """
+        if replicas <= 1 or not self.contention:
+            return 1.0
+        known = [k for k in sorted(self.contention) if k <= replicas]
+        return self.contention[known[-1]] if known else 1.0
 
     @property
     def dense_bytes(self) -> float:
@@ -139,14 +155,16 @@ def measure_model(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     threads: Sequence[int] = (1,),
+    concurrency: Sequence[int] = (),
     repeats: int = 3,
     name: str | None = None,
 ) -> ModelProfile:
     """Profile ``model`` on ``inputs``/``targets`` (a batch whose first dimension is the sample axis).
 
     ``threads``: intra-op thread counts to time compute at (a CPU process of a job that runs ``k``
-    processes per ``c``-core node gets ``c // k``). The model, its parameters and ``optimizer`` are
-    copied, never modified.
+    processes per ``c``-core node gets ``c // k``). ``concurrency``: replica counts ``k >= 2`` whose
+    mutual slowdown to measure (:func:`measure_contention`; CPU only, where replicas share a node's
+    memory system). The model, its parameters and ``optimizer`` are copied, never modified.
     """
     batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
     if batch < 2:
@@ -224,6 +242,25 @@ def measure_model(
             optimizer_seconds = _median_time(opt.step, repeats)
             optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
         layers = _layer_profiles(work, x, forward)
+        partial = ModelProfile(
+            name="",
+            param_bytes=0.0,
+            sparse_bytes=0.0,
+            sparse_row_bytes=0.0,
+            sparse_rows_per_sample=0.0,
+            optimizer_bytes=0.0,
+            activation_bytes_per_sample=0.0,
+            compute=compute,
+            backward_fraction=backward_fraction,
+            optimizer_seconds=0.0,
+            batch=batch,
+        )
+        cores = max(threads)
+        contention = {
+            int(k): measure_contention(partial, work, loss_fn, inputs, targets, int(k), cores, repeats)
+            for k in sorted(set(concurrency))
+            if 2 <= k <= batch
+        }
     finally:
         torch.set_num_threads(previous_threads)
     return ModelProfile(
@@ -240,7 +277,91 @@ def measure_model(
         batch=batch,
         layers=layers,
         gradient_arrival=gradient_arrival,
+        contention=contention,
     )
+
+
+def replica_counts(per_node: int, most: int = 6) -> list[int]:
+    """Replica counts worth measuring contention at for up to ``per_node`` replicas on a node.
+
+    Every count up to 4, then doubling, always ending at ``per_node``; at most ``most`` counts, so
+    profiling a 64-device node measures 2, 3, 4, 8, 16 and 64 replicas rather than 63 settings.
+    """
+    counts = [k for k in (2, 3, 4) if k <= per_node]
+    k = 8
+    while k < per_node:
+        counts.append(k)
+        k *= 2
+    if per_node >= 2 and per_node not in counts:
+        counts.append(per_node)
+    return counts if len(counts) <= most else [*counts[: most - 1], per_node]
+
+
+def measure_contention(
+    profile: ModelProfile,
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    replicas: int,
+    cores: int,
+    repeats: int = 3,
+) -> float:
+    """Slowdown of each of ``replicas`` copies of ``model`` stepping at once on ``batch / replicas``.
+
+    Data-parallel replicas on one CPU node each get ``cores // replicas`` threads and their share
+    of the batch, but they also share the memory bandwidth and caches: on a 2-core VM two replicas of
+    a dense MLP each ran ~1.3-2x slower than one alone with the same threads, far more than their
+    all-reduce. Each replica here is a deep copy driven by its own Python thread (torch releases the
+    GIL inside operators), started together behind a barrier; the factor is the replicas' median step
+    time over what ``profile`` predicts for one alone, after removing time-slicing when ``replicas >
+    cores``. Never below 1.
+    """
+    local = max(1, profile.batch // replicas)
+    per_replica_threads = max(1, cores // replicas)
+    copies = [copy.deepcopy(model) for _ in range(replicas)]
+    x, y = _take(inputs, local), _take(targets, local)
+    barrier = threading.Barrier(replicas)
+    times: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(replica: nn.Module) -> None:
+        params = [p for p in replica.parameters() if p.requires_grad]
+
+        def step() -> None:
+            for p in params:
+                p.grad = None
+            loss_fn(replica(x), y).backward()
+
+        try:
+            step()  # warm-up
+            barrier.wait(timeout=600)
+            seconds = _median_time(step, repeats)
+        except BaseException as exc:  # reported to the caller below, not lost in the thread
+            barrier.abort()
+            errors.append(exc)
+            return
+        with lock:
+            times.append(seconds)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(per_replica_threads)
+    try:
+        workers = [threading.Thread(target=run, args=(c,), daemon=True) for c in copies]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        torch.set_num_threads(previous)
+    if errors:
+        raise errors[0]
+    alone = profile.compute_seconds(local, per_replica_threads)
+    time_slicing = max(1.0, replicas / cores)
+    if alone <= 0:
+        return 1.0
+    return max(1.0, statistics.median(times) / (alone * time_slicing))
 
 
 def _arrival_curve(
