@@ -27,12 +27,13 @@ its own stage; parameters of other stages get no gradient, so the optimizer leav
 (that is how ``Trainer.evaluate/predict`` work). Checkpoints: :meth:`gather_state_dict` brings every
 rank's copy of the model up to date and returns the full model's ``state_dict`` (original keys, loads
 into a one-device model); loading a one-device ``state_dict`` into ``model`` on every rank works as is.
-Trainer callbacks that save the chief's model (BackupAndRestore, ModelCheckpoint) are refused: the
-chief's copy is stale outside stage 0.
+:meth:`gather_optimizer_state_dict` does the same for the optimizer, so ``BackupAndRestore`` and
+``ModelCheckpoint`` save one-device checkpoints under a pipeline (see that method for why a gather).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -67,7 +68,6 @@ from spread.strategies.context import ReplicaContext, _set_replica_context, get_
 from spread.strategies.process_group import join_process_group, local_device
 
 _WRAP_KIND = "pipeline"
-_CHIEF_SAVERS = ("BackupAndRestore", "ModelCheckpoint")
 
 
 def _split_xy(batch: Any) -> tuple[Any, Any]:
@@ -319,19 +319,6 @@ class PipelineStrategy(Strategy):
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
                 "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
             )
-        unsafe = [
-            type(cb).__name__
-            for cb in getattr(trainer, "callbacks", [])
-            if type(cb).__name__ in _CHIEF_SAVERS
-        ]
-        if unsafe:
-            # By name: spread.train sits above this layer. These callbacks save the chief's copy of the
-            # model, whose layers outside stage 0 are stale under a pipeline.
-            raise ValueError(
-                f"{', '.join(unsafe)} saves the chief's model, which holds only pipeline stage 0 up to "
-                f"date; under PipelineStrategy save strategy.gather_state_dict(model) (called on every "
-                f"rank) instead"
-            )
         x, y = _split_xy(batch)
         width = 2 + len(trainer.metrics)
         stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
@@ -427,6 +414,95 @@ class PipelineStrategy(Strategy):
                     ]
                     _broadcast_from(self.world, tensors, src=s)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def gather_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's ``state_dict`` as one device would have it: every stage's per-parameter state
+        (from that stage's replica-0 rank), under the indices of the whole model's parameters.
+        Collective: call it on every rank; every rank gets the same result.
+
+        Why a gather and not per-rank shards through ``torch.distributed.checkpoint``: a pipeline
+        backup then has the one-device format (the same ``state.pt`` as every other strategy), so it
+        loads into a one-device model and optimizer, survives a different stage split on restart (the
+        time-balanced split is measured anew), and needs no per-rank shape metadata to read back (a
+        fresh optimizer has no state to describe the shards with). Its cost is one broadcast per stage
+        and dtype of that stage's state; every rank already holds the whole model, so the gathered copy
+        adds at most one model's optimizer state per rank, briefly. Parameters a rank does not train
+        get no gradient, so the other stages' state it loads on restore is never used.
+        """
+        local = optimizer.state_dict()
+        if self._bounds is None or self.world.world_size == 1:
+            return local
+        assert self._model is not None
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        layers = as_layers(self._model)
+        merged: dict[int, dict[str, Any]] = {}
+        with self._guard("gather_optimizer_state_dict"):
+            for s, (start, end) in enumerate(self._bounds):
+                owned = sorted(
+                    index[id(p)] for layer in layers[start:end] for p in layer.parameters() if id(p) in index
+                )
+                merged.update(self._broadcast_state(local["state"], owned, src=s))
+        return {"state": merged, "param_groups": local["param_groups"]}
+
+    def _broadcast_state(
+        self, state: dict[int, dict[str, Any]], owned: list[int], src: int
+    ) -> dict[int, dict[str, Any]]:
+        """Rank ``src``'s optimizer state for the parameter indices ``owned``, on every rank: a JSON
+        description (keys, dtypes, shapes, plain values; never a pickle), then the tensors."""
+        mine = self.rank == src
+        entries, tensors = [], []
+        if mine:
+            for i in owned:
+                for key, value in state.get(i, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        dtype = str(value.dtype).removeprefix("torch.")
+                        entries.append(
+                            [i, key, "tensor", dtype, list(value.shape), value.device.type == "cpu"]
+                        )
+                        tensors.append(value.detach().to(self.world.device))
+                    elif value is None or isinstance(value, (bool, int, float)):
+                        entries.append([i, key, "value", value])
+                    else:
+                        raise TypeError(
+                            f"optimizer state {i}.{key} is a {type(value).__name__}; cannot gather it"
+                        )
+        blob = torch.tensor(list(json.dumps(entries).encode()) if mine else [], dtype=torch.uint8)
+        size = torch.tensor([blob.numel()], dtype=torch.int64, device=self.world.device)
+        self.world.broadcast(size, src=src, name="optimizer_state_header_size")
+        header = (
+            blob.to(self.world.device)
+            if mine
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=self.world.device)
+        )
+        self.world.broadcast(header, src=src, name="optimizer_state_header")
+        if not mine:
+            entries = json.loads(bytes(header.cpu().tolist()).decode())
+            for entry in entries:
+                if entry[2] == "tensor":
+                    dtype = getattr(torch, entry[3], None)
+                    if not isinstance(dtype, torch.dtype):
+                        raise SpreadError(f"rank {src} described optimizer state with dtype {entry[3]!r}")
+                    tensors.append(torch.empty(entry[4], dtype=dtype, device=self.world.device))
+        _broadcast_from(self.world, tensors, src=src)
+        out: dict[int, dict[str, Any]] = {}
+        pending = iter(tensors)
+        for entry in entries:
+            i, key = int(entry[0]), str(entry[1])
+            if entry[2] == "tensor":
+                value = next(pending)
+                out.setdefault(i, {})[key] = (value.cpu() if entry[5] else value.to(self._device)).clone()
+            else:
+                out.setdefault(i, {})[key] = entry[3]
+        return out
+
+    def gather_all_ranks(self, value: Any) -> torch.Tensor:
+        """Equally shaped tensors of every rank (every stage of every replica), stacked in rank order.
+
+        For callbacks that save per-rank state such as RNG states: :meth:`gather` spans only this
+        stage's replica group."""
+        tensor = one_replica_tensor(value, self._device).detach()
+        with self._guard("gather_all_ranks"):
+            return torch.cat(self.world.all_gather(tensor.contiguous(), name="gather_all_ranks"))
 
     # -- failures ----------------------------------------------------------------------------------
     @contextmanager

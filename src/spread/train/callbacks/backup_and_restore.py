@@ -116,6 +116,28 @@ class BackupAndRestore(Callback):
         if self.delete_checkpoint and self.trainer.is_chief:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
+    def _gather_all(self) -> Any:
+        """A function gathering one tensor from every rank, or None in a single process.
+
+        ``strategy.gather`` spans every rank for the data-parallel strategies; a pipeline's spans one
+        stage's replicas, so it offers ``gather_all_ranks``."""
+        strategy = self.trainer.strategy
+        every_rank = getattr(strategy, "gather_all_ranks", None)
+        if every_rank is not None:
+            return every_rank
+        return strategy.gather if strategy.num_replicas_in_sync > 1 else None
+
+    def _model_and_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The one-device model and optimizer state; collective under a pipeline, whose chief holds
+        only stage 0 up to date (``gather_state_dict``/``gather_optimizer_state_dict``)."""
+        trainer = self.trainer
+        strategy = trainer.strategy
+        gather_model = getattr(strategy, "gather_state_dict", None)
+        gather_optimizer = getattr(strategy, "gather_optimizer_state_dict", None)
+        if gather_model is not None and gather_optimizer is not None:
+            return gather_model(trainer.model), gather_optimizer(trainer.optimizer)
+        return trainer.model.state_dict(), trainer.optimizer.state_dict()
+
     def _save(self) -> None:
         """Gather the RNG states, let the chief write, and return on every rank once it is durable.
 
@@ -125,17 +147,18 @@ class BackupAndRestore(Callback):
         before). A chief that fails to write says so to the others instead of leaving them waiting.
         """
         trainer = self.trainer
-        distributed = trainer.strategy.num_replicas_in_sync > 1
+        gather = self._gather_all()
         rng = torch.get_rng_state().unsqueeze(0)
-        all_rng = trainer.strategy.gather(rng) if distributed else rng
+        all_rng = gather(rng) if gather is not None else rng
+        model_state, optimizer_state = self._model_and_optimizer_state()
         failure: BaseException | None = None
         if trainer.is_chief:
             try:
-                self._write(all_rng)
+                self._write(all_rng, model_state, optimizer_state)
             except Exception as exc:  # reported to the other ranks below, then re-raised
                 failure = exc
-        if distributed:
-            written = trainer.strategy.gather(torch.tensor([0.0 if failure else 1.0]))
+        if gather is not None:
+            written = gather(torch.tensor([0.0 if failure else 1.0]))
             if failure is None and bool((written < 1).any()):
                 raise SpreadError(
                     f"the chief failed to write the backup of step {trainer.global_step} to "
@@ -144,7 +167,9 @@ class BackupAndRestore(Callback):
         if failure is not None:
             raise failure
 
-    def _write(self, all_rng: torch.Tensor) -> None:
+    def _write(
+        self, all_rng: torch.Tensor, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
         trainer = self.trainer
         position = trainer.train_dataset.state_dict()
         sums = (
@@ -155,8 +180,8 @@ class BackupAndRestore(Callback):
         version, internal, gauss = random.getstate()
         state: dict[str, Any] = {
             "config": self._config(),
-            "model": trainer.model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "global_step": trainer.global_step,
             "epoch": position["epoch"],
             "batch": position["batch"],

@@ -35,6 +35,10 @@ class Callback:
     def set_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
+    def runs_on(self, trainer: Trainer) -> bool:
+        """Whether ``trainer``'s rank calls this callback: every rank, or the chief when ``chief_only``."""
+        return trainer.is_chief or not self.chief_only
+
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
@@ -52,7 +56,7 @@ class CallbackList:
     """Dispatches each hook to the callbacks that should run on this rank, in order."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
-        self.callbacks = [cb for cb in callbacks if trainer.is_chief or not cb.chief_only]
+        self.callbacks = [cb for cb in callbacks if cb.runs_on(trainer)]
         for cb in self.callbacks:
             cb.set_trainer(trainer)
 

@@ -6,7 +6,10 @@ file in the same directory, which is flushed and fsync'ed, then renamed over the
 ``os.replace`` (atomic on POSIX and Windows), and the directory is fsync'ed so the rename itself
 survives a power loss. Overwriting a checkpoint in place (nanoGPT) loses both copies on a crash.
 
-Only the chief writes (every rank holds the same replicated weights).
+Only the chief writes (every rank holds the same replicated weights). Under a strategy whose chief
+does not hold the whole model up to date (a pipeline: ``gather_state_dict``), the callback runs on
+every rank, gathers the model (and optimizer) state collectively into the one-device layout, and the
+chief writes it: the file loads into a one-device model.
 """
 
 from __future__ import annotations
@@ -121,6 +124,9 @@ class ModelCheckpoint(Callback):
         self._epoch = 0
         self._warned_missing = False
 
+    def runs_on(self, trainer: Any) -> bool:
+        return super().runs_on(trainer) or _gathers(trainer)
+
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._batches_since_save = 0
 
@@ -156,12 +162,20 @@ class ModelCheckpoint(Callback):
 
     def _state(self, epoch: int) -> Any:
         assert self.trainer is not None, "ModelCheckpoint used before set_trainer()"
-        model_state = self.trainer.model.state_dict()
+        trainer = self.trainer
+        if _gathers(trainer):  # collective: every rank takes part, the chief writes
+            model_state = trainer.strategy.gather_state_dict(trainer.model)
+        else:
+            model_state = trainer.model.state_dict()
         if self.save_weights_only:
             return model_state
+        if _gathers(trainer):
+            optimizer_state = trainer.strategy.gather_optimizer_state_dict(trainer.optimizer)
+        else:
+            optimizer_state = trainer.optimizer.state_dict()
         return {
             "model": model_state,
-            "optimizer": self.trainer.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "epoch": epoch,
             "global_step": getattr(self.trainer, "global_step", 0),
         }
@@ -184,7 +198,7 @@ class ModelCheckpoint(Callback):
                 self._warn_missing(logs)
                 return
             if not self._better(current, self.best):
-                if self.verbose:
+                if self.verbose and self.trainer.is_chief:
                     print(
                         f"epoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}",
                         file=sys.stdout,
@@ -192,10 +206,10 @@ class ModelCheckpoint(Callback):
                     )
                 return
             path = self._format_path(epoch, batch, logs)
-            atomic_torch_save(self._state(epoch), path)
+            self._write(self._state(epoch), path)
             # Only after the write: a failed save must not raise the bar for the next one.
             previous, self.best = self.best, current
-            if self.verbose:
+            if self.verbose and self.trainer.is_chief:
                 print(
                     f"epoch {epoch + 1}: {self.monitor} improved from {previous:.5f} to {current:.5f}, "
                     f"saved {path}",
@@ -204,6 +218,15 @@ class ModelCheckpoint(Callback):
                 )
             return
         path = self._format_path(epoch, batch, logs)
-        atomic_torch_save(self._state(epoch), path)
-        if self.verbose:
+        self._write(self._state(epoch), path)
+        if self.verbose and self.trainer.is_chief:
             print(f"epoch {epoch + 1}: saved {path}", file=sys.stdout, flush=True)
+
+    def _write(self, state: Any, path: str) -> None:
+        if self.trainer.is_chief:
+            atomic_torch_save(state, path)
+
+
+def _gathers(trainer: Any) -> bool:
+    """Whether the strategy must gather the model collectively before the chief can save it."""
+    return getattr(getattr(trainer, "strategy", None), "gather_state_dict", None) is not None
