@@ -41,10 +41,13 @@ def _train_step(iterator, task: int):
         open(os.environ["SPREAD_TEST_MARKER"], "w").close()
         os.kill(os.getpid(), signal.SIGKILL)  # after the push, before the chief hears back
     time.sleep(float(os.environ.get("SPREAD_TEST_TASK_SECONDS", "0")))
+    stuck_task = os.environ.get("SPREAD_TEST_STUCK_TASK") == str(task)
+    if stuck_task or os.environ.get("SPREAD_TEST_STUCK_RUN") == str(_STATE["ran"]):  # pushed, reports late
+        time.sleep(float(os.environ["SPREAD_TEST_STUCK_SECONDS"]))
     return {"loss": loss.detach(), "task": task, "pid": os.getpid()}
 
 
-def _setup():
+def _setup(**coordinator_options):
     marker = os.environ.get("SPREAD_TEST_WAIT_FOR")
     if marker:  # a restarted worker: start only once the first one died
         deadline = time.monotonic() + 120
@@ -55,7 +58,7 @@ def _setup():
         torch.manual_seed(0)
         _STATE["model"] = nn.Linear(4, 1)
         _STATE["optimizer"] = torch.optim.SGD(_STATE["model"].parameters(), lr=0.05)
-    coordinator = spread.ClusterCoordinator(strategy)
+    coordinator = spread.ClusterCoordinator(strategy, **coordinator_options)
     iterator = iter(coordinator.create_per_worker_dataset(_make_data))
     return strategy, coordinator, iterator
 
@@ -168,3 +171,67 @@ def test_schedule_refuses_functions_workers_cannot_find():
     with pytest.raises(ValueError, match="module-level function"):
         _function_reference(lambda: None)
     assert _function_reference(_train_step) == (__name__, "_train_step")
+
+
+def _stuck_worker_job(num_tasks: int, max_attempts: int) -> dict:
+    strategy, coordinator, iterator = _setup(task_timeout=2.0, max_task_attempts=max_attempts)
+    start = time.monotonic()
+    values = [coordinator.schedule(_train_step, args=(iterator, i)) for i in range(num_tasks)]
+    try:
+        coordinator.join(timeout=90)
+        error = None
+    except SpreadError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    done = sorted(v.fetch()["task"] for v in values if v._error is None)
+    out = {
+        "error": error,
+        "seconds": seconds,
+        "tasks": done,
+        "servers": strategy.server_stats(ids=True),
+        "coordinator": coordinator.stats(),
+    }
+    coordinator.shutdown()
+    strategy.close()
+    return out
+
+
+def test_a_stuck_worker_times_out_and_its_task_runs_elsewhere_exactly_once():
+    stuck = {"SPREAD_TEST_STUCK_RUN": "2", "SPREAD_TEST_STUCK_SECONDS": "8"}  # its second task
+    results = run_ps_job(
+        _stuck_worker_job,
+        3,
+        1,
+        args=(8, 3),
+        env={"SPREAD_TEST_TASK_SECONDS": "0.2"},
+        rank_env_extra={1: stuck},
+    )
+    for r in results:
+        assert r.ok, r.describe()  # the dropped worker exits cleanly once its step comes back
+    chief = results[0].value
+    print(f"stuck worker: {chief['coordinator']}, join took {chief['seconds']:.1f}s")
+    assert chief["error"] is None and chief["tasks"] == list(range(8))
+    stats = chief["coordinator"]
+    assert stats["timed_out"] == 1 and stats["rescheduled"] == 1
+    ids = chief["servers"][0]["applied_ids"]
+    assert len(ids) == len(set(ids)) == 8  # the stuck attempt's push and the rerun's count once
+    assert chief["seconds"] < 8  # the chief did not wait for the stuck worker
+
+
+def test_a_task_that_times_out_on_every_attempt_fails_naming_itself():
+    stuck = {"SPREAD_TEST_STUCK_TASK": "3", "SPREAD_TEST_STUCK_SECONDS": "6"}
+    results = run_ps_job(_stuck_worker_job, 3, 1, args=(4, 2), env=stuck)
+    for r in results:
+        assert r.ok, r.describe()
+    chief = results[0].value
+    assert chief["tasks"] == [0, 1, 2]
+    assert "task 3" in chief["error"] and "task_timeout=2s" in chief["error"], chief["error"]
+    assert "2 attempt(s)" in chief["error"]
+    assert chief["coordinator"]["timed_out"] == 2
+
+
+def test_bad_task_timeouts_are_refused():
+    with pytest.raises(ValueError, match="task_timeout"):
+        spread.ClusterCoordinator(None, task_timeout=0)
+    with pytest.raises(ValueError, match="max_task_attempts"):
+        spread.ClusterCoordinator(None, task_timeout=1.0, max_task_attempts=0)

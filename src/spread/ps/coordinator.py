@@ -16,6 +16,12 @@ task's gradient push carries the task's step id, so when a task ran on a worker 
 pushing, the re-run's push is ignored by the servers: **every scheduled step is applied exactly
 once**. An error raised inside a task (a dead parameter server included) fails that task's
 ``RemoteValue`` and is raised by ``join()``.
+
+A worker that is alive but stuck (its stream open, its task never reported) would hang ``join()``
+forever; with ``task_timeout`` the chief gives up on that worker after so many seconds, closes its
+stream (the worker exits when it comes back) and reruns the task elsewhere, still exactly once
+thanks to the step id; after ``max_task_attempts`` timed-out attempts the task fails with an error
+naming it, the workers it ran on and the timeout.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 import torch
 
-from spread.errors import SpreadError
+from spread.errors import RemoteCallError, SpreadError
 from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
 from spread.ps.wire import Tensors
 from spread.ps.zmq_transport import CallContext, Message
@@ -98,6 +104,7 @@ class _Task:
     value: RemoteValue
     attempts: int = 0
     workers: list[int] = field(default_factory=list)
+    timeouts: int = 0
 
 
 class ClusterCoordinator:
@@ -106,9 +113,23 @@ class ClusterCoordinator:
     Args:
         strategy: the job's ``ParameterServerStrategy`` (created first, on every task).
         worker_timeout: seconds ``join()`` waits while no worker is connected before failing.
+        task_timeout: seconds one attempt of a task may run on a worker before the chief gives up on
+            that worker and reruns the task on another (None: no limit, as in TensorFlow).
+        max_task_attempts: timed-out attempts after which the task fails instead of running again.
     """
 
-    def __init__(self, strategy: Any, *, worker_timeout: float = DEFAULT_WORKER_TIMEOUT) -> None:
+    def __init__(
+        self,
+        strategy: Any,
+        *,
+        worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
+        task_timeout: float | None = None,
+        max_task_attempts: int = 3,
+    ) -> None:
+        if task_timeout is not None and not task_timeout > 0:
+            raise ValueError(f"task_timeout must be positive seconds or None, got {task_timeout!r}")
+        if not isinstance(max_task_attempts, int) or max_task_attempts < 1:
+            raise ValueError(f"max_task_attempts must be a positive integer, got {max_task_attempts!r}")
         self.strategy = strategy
         cluster = strategy.cluster
         chiefs = cluster.cluster.get("chief", ())
@@ -117,6 +138,8 @@ class ClusterCoordinator:
         self.chief_address = chiefs[0]
         self.role = cluster.role
         self.worker_timeout = worker_timeout
+        self.task_timeout = task_timeout
+        self.max_task_attempts = max_task_attempts
         self._token = strategy.job_token
         self._rpc = rpc_module(getattr(strategy, "transport", DEFAULT_TRANSPORT))
         self._dataset_builders: list[Callable[[], Iterable[Any]] | Iterable[Any]] = []
@@ -130,7 +153,7 @@ class ClusterCoordinator:
             self._inflight: dict[int, _Task | None] = {}  # by session (a worker may reconnect)
             self._session_ids = itertools.count()
             self._stopping = False
-            self.scheduled = self.completed = self.rescheduled = self.workers_lost = 0
+            self.scheduled = self.completed = self.rescheduled = self.workers_lost = self.timed_out = 0
             self.sessions: collections.Counter[int] = collections.Counter()
             strategy.wait_for_workers_on_close = False  # workers finish when this coordinator says so
             self._server = self._rpc.RpcServer(
@@ -209,13 +232,15 @@ class ClusterCoordinator:
             return self.completed == self.scheduled
 
     def stats(self) -> dict[str, int]:
-        """scheduled, completed, rescheduled (after a worker died), workers_lost, sessions opened."""
+        """scheduled, completed, rescheduled (a worker died or timed out), workers_lost, timed_out
+        (task attempts given up after ``task_timeout``), sessions opened."""
         with self._lock:
             return {
                 "scheduled": self.scheduled,
                 "completed": self.completed,
                 "rescheduled": self.rescheduled,
                 "workers_lost": self.workers_lost,
+                "timed_out": self.timed_out,
                 "sessions": sum(self.sessions.values()),
             }
 
@@ -270,8 +295,12 @@ class ClusterCoordinator:
                 },
                 task.tensors,
             )
+            started = time.monotonic()
             with self._lock:
                 while not task.value.done() and ctx.is_active():
+                    if self.task_timeout is not None and time.monotonic() - started > self.task_timeout:
+                        self._give_up_on(session, task, worker)
+                        return  # ends this worker's stream: it exits when its task comes back
                     self._lock.wait(_TICK)
                 if not task.value.done():
                     return  # the worker is gone; _session_ended puts the task back
@@ -289,6 +318,30 @@ class ClusterCoordinator:
             if self._stopping:
                 return None
             self._lock.wait(_TICK)
+
+    def _give_up_on(self, session: int, task: _Task, worker: int) -> None:
+        """``task`` ran past ``task_timeout`` on ``worker``: rerun it elsewhere, or fail it (lock held)."""
+        self._inflight[session] = None  # not put back again when the session ends
+        self.timed_out += 1
+        task.timeouts += 1
+        if task.timeouts >= self.max_task_attempts:
+            task.value._set(
+                None,
+                f"TaskTimeout: task {task.task_id} ran longer than task_timeout={self.task_timeout:g}s on "
+                f"each of {task.timeouts} attempt(s) (workers {task.workers}); the worker is stuck or "
+                f"the step is slower than the timeout allows",
+            )
+            self.completed += 1
+        else:
+            print(
+                f"spread: task {task.task_id} ran longer than {self.task_timeout:g}s on worker {worker}; "
+                f"dropping that worker and running the task again",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._queue.appendleft(task)
+            self.rescheduled += 1
+        self._lock.notify_all()
 
     def _session_ended(self, session: int) -> None:
         with self._lock:
@@ -329,17 +382,18 @@ class ClusterCoordinator:
                 "session", {"worker": strategy.rank}, connect_timeout=strategy.init_timeout
             )
             for meta, tensors in stream:
-                if meta.get("op") == "stop":
+                if meta.get("op") == "stop" or not self._run_task(client, meta, tensors, iterators):
                     break
-                self._run_task(client, meta, tensors, iterators)
         finally:
             client.close()
         strategy.close()
         raise SystemExit(0)
 
-    def _run_task(self, client: Any, meta: dict, tensors: Tensors, iterators: dict) -> None:
+    def _run_task(self, client: Any, meta: dict, tensors: Tensors, iterators: dict) -> bool:
+        """Run one task and report it; False when this worker should stop serving."""
         strategy = self.strategy
         ok, error, result_meta, result_tensors = True, None, None, {}
+        started = time.monotonic()
         try:
             fn = _resolve_function(*meta["function"])
             args, kwargs = _decode(meta["args"], tensors, lambda i: self._iterator(i, iterators))
@@ -351,9 +405,23 @@ class ClusterCoordinator:
             result_meta = _encode(value, result_tensors)
         except Exception as exc:  # reported to the chief (a dead parameter server included)
             ok, error = False, f"{type(exc).__name__}: {exc}"
-        client.call(
-            "report", {"id": meta["id"], "ok": ok, "error": error, "result": result_meta}, result_tensors
-        )
+        try:
+            client.call(
+                "report", {"id": meta["id"], "ok": ok, "error": error, "result": result_meta}, result_tensors
+            )
+        except RemoteCallError:
+            took = time.monotonic() - started
+            if self.task_timeout is None or took <= self.task_timeout:
+                raise
+            # The chief gave up on this worker after task_timeout and may have finished since.
+            print(
+                f"spread: worker {strategy.rank}: task {meta['id']} took {took:.1f}s, past task_timeout="
+                f"{self.task_timeout:g}s; the chief dropped this worker and is gone, so it stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        return True
 
     def _iterator(self, dataset_id: int, iterators: dict[int, Iterator[Any]]) -> Iterator[Any]:
         if dataset_id not in iterators:
