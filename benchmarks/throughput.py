@@ -5,7 +5,10 @@ Two jobs per workload, each printing one JSON object (``--json PATH`` writes it 
 * ``--job single``: one process: 1 thread, 2 threads, then ``MirroredStrategy`` with 2 replicas
   (threads, 1 intra-op thread each) for every ``cross_device_ops``;
 * ``--job ranks``: 2 processes x 1 thread on loopback, one process group for all: PyTorch DDP, then
-  ``MultiWorkerMirroredStrategy`` with every ``communication`` (``auto`` first: the default).
+  ``MultiWorkerMirroredStrategy`` with every ``communication`` (``auto`` first: the default);
+* ``--job tensorflow`` (W1): TensorFlow's ``MultiWorkerMirroredStrategy``, 2 processes x 1 thread,
+  through ``tf_baselines.py``, when ``tensorflow`` is importable; otherwise (and with ``--quick``) a
+  row that says why it was skipped.
 
 Every configuration: the workload's model (same seed), optimizer and synthetic global batch;
 ``warmup`` steps, then ``reps`` timed repetitions of ``steps`` steps (ranks meet at a barrier
@@ -194,10 +197,53 @@ def run_ranks_job(name: str, quick: bool, warmup: int, reps: int, steps: int, ti
     return run_ranks(_rank_job, 2, args=(name, quick, warmup, reps, steps), timeout=timeout)[0]
 
 
+TF_CONFIG_NAME = "TensorFlow MultiWorkerMirrored 2 x 1 thread (RING, custom step)"
+
+
+def run_tensorflow(name: str, quick: bool, warmup: int, reps: int, steps: int, timeout: float) -> dict:
+    """TensorFlow's MWMS on W1 as one row (``rates`` empty and ``skipped`` set when not run)."""
+    import subprocess
+
+    import tf_baselines
+
+    label, _per_sample = workloads.unit(name, quick=quick)
+    row = {"config": TF_CONFIG_NAME, "kind": "tensorflow", "processes": 2, "threads": 1, "rates": []}
+    if name != "W1":
+        row["skipped"] = "skipped: TensorFlow runs W1 only"
+    elif quick:
+        row["skipped"] = "skipped: not run with --quick"
+    elif not tf_baselines.tensorflow_available():
+        row["skipped"] = "skipped: tensorflow not installed"
+    else:
+        timeout = min(timeout, 600.0)  # the launcher's own limit, under this job's
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_baselines.py")
+        cmd = [sys.executable, script, "--mode", "mwms", "--workload", name, "--workers", "2"]
+        cmd += ["--warmup", str(warmup), "--reps", str(reps), "--steps", str(steps)]
+        cmd += ["--timeout", str(timeout)]
+        rc, err = None, ""
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout + 60, stdin=subprocess.DEVNULL
+            )
+            rc, err = proc.returncode, proc.stderr
+            records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+            record = records[-1] if records else {"error": f"no output (exit {rc})"}
+        except subprocess.TimeoutExpired:
+            record = {"error": f"ran past {timeout + 60:.0f} s"}
+        if "error" in record or rc != 0:
+            sys.stderr.write(f"tf_baselines.py: {record.get('error')}\n{err[-2000:]}\n")
+            row["skipped"] = f"failed: {record.get('error', f'exit {rc}')} (role {record.get('role')})"
+        elif not record.get("replicas_in_sync", False):
+            row["skipped"] = "failed: the TensorFlow replicas ended with different weights"
+        else:
+            row["rates"] = record["rates"]
+    return _result(name, quick, label, [row])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True, choices=["W1", "W2", "w1", "w2"])
-    parser.add_argument("--job", required=True, choices=["single", "ranks"])
+    parser.add_argument("--job", required=True, choices=["single", "ranks", "tensorflow"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=7)
@@ -208,6 +254,8 @@ def main() -> None:
     name = args.workload.upper()
     if args.job == "single":
         result = run_single(name, args.quick, args.warmup, args.reps, args.steps)
+    elif args.job == "tensorflow":
+        result = run_tensorflow(name, args.quick, args.warmup, args.reps, args.steps, args.timeout)
     else:
         result = run_ranks_job(name, args.quick, args.warmup, args.reps, args.steps, args.timeout)
     text = json.dumps(result)

@@ -53,8 +53,11 @@ def test_quick_run_writes_tables_section_and_json(tmp_path):
         assert config in text
     raw = json.loads((tmp_path / "raw.json").read_text())
     rows = raw["throughput"]["W1"]["rows"]
-    assert {r["kind"] for r in rows} == {"single", "mirrored", "ddp", "mwms"}
+    assert {r["kind"] for r in rows} == {"single", "mirrored", "ddp", "mwms", "tensorflow"}
     assert all(rate > 0 for r in rows for rate in r["rates"])
+    (tf_row,) = [r for r in rows if r["kind"] == "tensorflow"]  # --quick never starts TensorFlow
+    assert tf_row["rates"] == [] and tf_row["skipped"] == "skipped: not run with --quick"
+    assert "| skipped: not run with --quick |" in text
     if _has_matplotlib():
         assert (tmp_path / "img" / "bench.png").stat().st_size > 1000
 

@@ -40,9 +40,9 @@ def throughput_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 **r,
                 "median": med,
-                "min": min(r["rates"]),
-                "max": max(r["rates"]),
-                "spread": (max(r["rates"]) - min(r["rates"])) / med if med else float("nan"),
+                "min": min(r["rates"], default=float("nan")),
+                "max": max(r["rates"], default=float("nan")),
+                "spread": (max(r["rates"]) - min(r["rates"])) / med if r["rates"] and med else float("nan"),
                 "vs_ddp": med / ddp_rate if ddp_rate == ddp_rate else float("nan"),
                 "efficiency": med / (cores * base_rate) if base_rate == base_rate else float("nan"),
             }
@@ -58,6 +58,12 @@ def throughput_table(result: dict[str, Any]) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in throughput_rows(result):
+        if not r["rates"]:  # a configuration that was not run (e.g. TensorFlow not installed)
+            lines.append(
+                f"| {r['config']} | {r['processes']} x {r['threads']} | {r.get('skipped', 'skipped')} "
+                "| | | | | |"
+            )
+            continue
         lines.append(
             f"| {r['config']} | {r['processes']} x {r['threads']} | {r['median']:,.0f} | {r['min']:,.0f} | "
             f"{r['max']:,.0f} | {r['spread']:.0%} | {r['vs_ddp']:.2f}x | {r['efficiency']:.2f} |"
@@ -151,7 +157,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     count = len(panels) + int(has_ar)
     fig, axes = plt.subplots(1, count, figsize=(6.5 * count, 5.5), squeeze=False)
     for ax, (name, result) in zip(axes[0], panels, strict=False):
-        rows = throughput_rows(result)
+        rows = [r for r in throughput_rows(result) if r["rates"]]
         labels = [_short(r) for r in rows]
         colors = [_color(r["kind"]) for r in rows]
         ax.barh(
@@ -189,6 +195,8 @@ def _short(row: dict[str, Any]) -> str:
         return f"1 process x {row['threads']} thr"
     if row["kind"] == "ddp":
         return "DDP 2 x 1"
+    if row["kind"] == "tensorflow":
+        return "TF MWMS 2 x 1"
     if row["kind"] == "mwms":
         return f"MWMS 2 x 1 {row.get('resolved', '') if row['option'] == 'auto' else row['option']}" + (
             " (default)" if row["option"] == "auto" else ""
@@ -197,6 +205,10 @@ def _short(row: dict[str, Any]) -> str:
 
 
 def _color(kind: str) -> str:
-    return {"single": "#999999", "ddp": "#d62728", "mwms": "#1f77b4", "mirrored": "#2ca02c"}.get(
-        kind, "#333333"
-    )
+    return {
+        "single": "#999999",
+        "ddp": "#d62728",
+        "mwms": "#1f77b4",
+        "mirrored": "#2ca02c",
+        "tensorflow": "#ff7f0e",
+    }.get(kind, "#333333")

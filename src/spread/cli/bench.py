@@ -25,10 +25,11 @@ from typing import Any
 _DESCRIPTION = """\
 Measure W1 (dense MLP) and W2 (small GPT) training throughput under: one process with 1 and 2
 threads, MirroredStrategy with 2 replicas (every cross_device_ops), PyTorch DDP 2 x 1 thread and
-MultiWorkerMirroredStrategy 2 x 1 thread with every communication algorithm; then the all-reduce
-microbenchmark (4 KB to 64 MB, every algorithm vs gloo's own). Prints the tables and writes them,
-with the command, machine line and a plot, into docs/benchmarks.md (a generated section) and
-docs/img/. Timings are only comparable within one run on a quiet machine."""
+MultiWorkerMirroredStrategy 2 x 1 thread with every communication algorithm, and (W1, when
+tensorflow is installed, not with --quick) TensorFlow's MultiWorkerMirroredStrategy 2 x 1 thread;
+then the all-reduce microbenchmark (4 KB to 64 MB, every algorithm vs gloo's own). Prints the
+tables and writes them, with the command, machine line and a plot, into docs/benchmarks.md (a
+generated section) and docs/img/. Timings are only comparable within one run on a quiet machine."""
 
 _EPILOG = """\
 examples:
@@ -180,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
         single = _job(folder / "throughput.py", [*common, "--job", "single"], args.timeout)
         ranks = _job(folder / "throughput.py", [*common, "--job", "ranks"], args.timeout)
         merged = {**single, "rows": single["rows"] + ranks["rows"]}
+        if name == "W1":  # TensorFlow's MWMS, or a row saying why not (not installed, --quick)
+            tf = _job(folder / "throughput.py", [*common, "--job", "tensorflow"], args.timeout)
+            merged["rows"] += tf["rows"]
         merged["description"] = (
             f"{single.get('description', name)}; {reps} reps x {steps} steps after {warmup} warm-up"
         )
