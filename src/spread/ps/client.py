@@ -258,22 +258,46 @@ class PSClient:
 
     def state(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any] | None]:
         """Every server's shards and optimizer state by server index, and the optimizer spec."""
+        state, spec, _ = self.snapshot()
+        return state, spec
+
+    def snapshot(
+        self,
+    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any] | None, dict[int, dict[str, Any]]]:
+        """As :meth:`state`, plus each server's ledger (``version``, ``applied``, ``applied_ids``),
+        read under the same lock as its shards: what the shards include, step by step."""
         answers = self._each({s: (lambda c: c.call("state")) for s in range(self.num_servers)})
         spec = next((answers[s][0]["optimizer"] for s in answers if answers[s][0].get("optimizer")), None)
-        return {s: answers[s][1] for s in range(self.num_servers)}, spec
+        ledgers = {s: dict(answers[s][0].get("ledger") or {}) for s in range(self.num_servers)}
+        return {s: answers[s][1] for s in range(self.num_servers)}, spec, ledgers
 
-    def load(self, state: Mapping[int, Mapping[str, torch.Tensor]], config: Mapping[str, Any]) -> None:
-        """Overwrite every server's shards and optimizer state with ``state`` (a restore)."""
+    def load(
+        self,
+        state: Mapping[int, Mapping[str, torch.Tensor]],
+        config: Mapping[str, Any],
+        ledgers: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Overwrite every server's shards and optimizer state with ``state`` (a restore); with
+        ``ledgers``, also its update counters and applied step ids (see :meth:`snapshot`)."""
+
+        def meta(s: int) -> dict[str, Any]:
+            out: dict[str, Any] = {"config": dict(config), "overwrite": True}
+            if ledgers is not None:
+                out["ledger"] = dict(ledgers[s])
+            return out
+
         self._each(
             {
-                s: (
-                    lambda c, s=s: c.call(
-                        "create",
-                        {"config": dict(config), "overwrite": True},
-                        dict(state[s]),
-                        wait_for_ready=True,
-                    )
-                )
+                s: (lambda c, s=s: c.call("create", meta(s), dict(state[s]), wait_for_ready=True))
+                for s in range(self.num_servers)
+            }
+        )
+
+    def announce(self, restored_from: str) -> None:
+        """Record on every server which backup this job started from (or a fresh-start name)."""
+        self._each(
+            {
+                s: (lambda c: c.call("create", {"restored_from": restored_from}, {}, wait_for_ready=True))
                 for s in range(self.num_servers)
             }
         )

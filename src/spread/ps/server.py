@@ -49,6 +49,7 @@ class ParameterServer:
         self.applied = 0
         self.duplicates = 0
         self.applied_ids: set[str] = set()
+        self.restored_from = ""  # the backup this server was last restored from (BackupAndRestore)
         self._pending: dict[int, dict[int, tuple[dict, Tensors]]] = {}
         self._clocks: dict[int, int] = {}
         self._done: set[int] = set()
@@ -109,8 +110,23 @@ class ParameterServer:
                     created.append(key)
             if meta.get("overwrite"):
                 self._load_optimizer_state(tensors)
+            if meta.get("ledger"):
+                self._load_ledger(meta["ledger"])
+            if meta.get("restored_from"):  # the chief's word on this job's start: which backup, or none
+                self.restored_from = str(meta["restored_from"])
             self._cond.notify_all()
         return {"created": created}, {}
+
+    def _load_ledger(self, ledger: dict[str, Any]) -> None:
+        """A restore: the checkpoint's update counters and applied step ids replace this server's, so
+        a step re-pushed after the restore is applied only where the checkpoint lacks it."""
+        self.version = int(ledger.get("version", 0))
+        self.applied = int(ledger.get("applied", 0))
+        self.applied_ids = {str(i) for i in ledger.get("applied_ids", [])}
+        self._pending.clear()
+        self._clocks.clear()
+        self._done.clear()
+        self.restored_from = str(ledger.get("restored_from", ""))
 
     def _load_optimizer_state(self, tensors: Tensors) -> None:
         slots: dict[str, dict[str, torch.Tensor]] = {}
@@ -293,6 +309,7 @@ class ParameterServer:
                 "version": self.version,
                 "done": sorted(self._done),
                 "variables": sorted(self.variables),
+                "restored_from": self.restored_from,
             }
             if meta.get("ids"):
                 out["applied_ids"] = sorted(self.applied_ids)
@@ -317,7 +334,12 @@ class ParameterServer:
                     for slot, value in self.optimizer.state_tensors(key).items():
                         out[f"opt:{key}:{slot}"] = value.clone()
             spec = self.optimizer.spec if self.optimizer is not None else None
-            return {"version": self.version, "optimizer": spec}, out
+            ledger = {
+                "version": self.version,
+                "applied": self.applied,
+                "applied_ids": sorted(self.applied_ids),
+            }
+            return {"version": self.version, "optimizer": spec, "ledger": ledger}, out
 
 
 def serve(index: int, *, token: str, address: str, transport: str = DEFAULT_TRANSPORT) -> None:

@@ -55,6 +55,7 @@ from spread.strategies.context import ReplicaContext, _set_replica_context, get_
 from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
+FRESH_START = "fresh-start-"  # what the chief announces to the servers when there is no backup
 TOKEN_ENV = "SPREAD_JOB_TOKEN"
 _DEFAULT_TOKEN = "spread-default-job-token"
 
@@ -349,16 +350,118 @@ class ParameterServerStrategy(Strategy):
             time.sleep(interval)
         return count
 
+    def server_state(self) -> dict[str, Any]:
+        """Every server's shards, optimizer state and ledger (counters and applied step ids), each
+        server read under its own lock: the payload of :meth:`save_servers` and of a BackupAndRestore
+        backup under this strategy."""
+        state, spec, ledgers = self.client.snapshot()
+        return {
+            "servers": {str(s): tensors for s, tensors in state.items()},
+            "optimizer": spec,
+            "ledgers": {str(s): ledger for s, ledger in ledgers.items()},
+        }
+
     def save_servers(self, directory: str | Path, *, step: int | None = None, keep: int = 3) -> Path:
         """Checkpoint every server's shards and optimizer state (the chief; atomic and verified).
 
         Returns the checkpoint directory. Restore with :meth:`restore_servers`.
         """
-        state, spec = self.client.state()
-        payload = {"servers": {str(s): tensors for s, tensors in state.items()}, "optimizer": spec}
         return CheckpointManager(directory, keep=keep).save(
-            self.local_step if step is None else step, payload
+            self.local_step if step is None else step, self.server_state()
         )
+
+    def load_server_state(self, payload: dict[str, Any], *, restored_from: str | None = None) -> None:
+        """Overwrite the servers with a :meth:`server_state` payload. With ``restored_from`` (a name
+        for the backup) their ledgers are restored too and they report that name in their stats, so
+        the other training tasks can wait for the restore (:meth:`wait_for_restore`)."""
+        servers = payload["servers"]
+        if len(servers) != self.client.num_servers:
+            raise SpreadError(
+                f"the checkpoint holds {len(servers)} parameter server(s); "
+                f"this job has {self.client.num_servers}"
+            )
+        config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+        if payload.get("optimizer"):
+            config["optimizer"] = payload["optimizer"]
+        ledgers = None
+        if restored_from is not None:
+            ledgers = {
+                int(s): {**payload.get("ledgers", {}).get(s, {}), "restored_from": restored_from}
+                for s in servers
+            }
+        self.client.load({int(s): tensors for s, tensors in servers.items()}, config, ledgers)
+        self.pull()
+
+    def announce_fresh_start(self) -> None:
+        """The chief found no backup: tell the servers, so the other tasks start from step 0 too."""
+        self.client.announce(f"{FRESH_START}{secrets.token_hex(6)}")
+
+    def wait_for_restore(self, timeout: float | None = None) -> str | None:
+        """Block until the chief has said how this job starts (every server restored from one backup,
+        or a fresh start), then pull the variables; returns the backup's name, or None for a fresh start.
+
+        The servers are the only place every task can see the chief's decision: a task must not read
+        the backup directory itself, since the chief of this very job may have written a newer backup
+        there by the time a slow task starts. Assumes servers start with the job (as under
+        ``spread run``, which relaunches them with every attempt)."""
+        budget = self.init_timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        while True:
+            names = {s.get("restored_from") or "" for s in self.client.stats()}
+            if len(names) == 1 and "" not in names:
+                break
+            if time.monotonic() > deadline:
+                raise SpreadError(
+                    f"rank {self.rank}: the chief did not say within {budget:g}s whether the parameter "
+                    f"servers were restored from a backup (servers report {sorted(names)}; is the chief "
+                    f"running BackupAndRestore?)"
+                )
+            time.sleep(0.05)
+        self.pull()
+        name = names.pop()
+        return None if name.startswith(FRESH_START) else name
+
+    def resume_from_servers(self, payload: dict[str, Any] | None = None) -> int:
+        """Continue this task's step numbering after a restore; returns how many of this task's steps
+        the restored servers hold (it resumes with the next one). ``payload``: the backup's
+        :meth:`server_state`; default: the servers' current ledgers (the same for this task's steps
+        as long as it has not pushed since the restore).
+
+        Sync mode: every server applied the same steps (``version``). Async mode: a server records
+        the id of every step it applied; this task's steps reach the servers in order, so each
+        server holds a prefix of them, and the servers' snapshots (taken one after another) may
+        differ by the step that was in flight. The task resumes after the shortest prefix and keeps
+        its step ids (its session), so a step that some servers already hold is dropped there as a
+        duplicate and applied by the others: after the restore, no step is lost or applied twice.
+        """
+        if payload is None:
+            ledgers = self.server_stats(ids=True)
+        else:
+            ledgers = list((payload.get("ledgers") or {}).values())
+        if self.mode == "sync":
+            versions = {int(ledger.get("version", 0)) for ledger in ledgers}
+            if len(versions) > 1:
+                raise SpreadError(f"sync-mode servers were saved at different steps: {sorted(versions)}")
+            steps = versions.pop() if versions else 0
+        else:
+            prefix, sessions, per_server = f"w{self.rank}.", set(), []
+            for ledger in ledgers:
+                held = 0
+                for step_id in ledger.get("applied_ids", []):
+                    parts = str(step_id).split(".")
+                    if len(parts) == 3 and step_id.startswith(prefix) and parts[2].isdigit():
+                        sessions.add(parts[1])
+                        held = max(held, int(parts[2]) + 1)
+                per_server.append(held)
+            if len(sessions) > 1:
+                raise SpreadError(
+                    f"rank {self.rank}: the backup holds steps of several sessions {sorted(sessions)}"
+                )
+            if sessions:
+                self._session = sessions.pop()
+            steps = min(per_server) if per_server else 0
+        self.local_step = steps
+        return steps
 
     def restore_servers(self, directory: str | Path) -> int:
         """Load the latest checkpoint into the servers (a replaced server gets its shards back).
@@ -370,17 +473,10 @@ class ParameterServerStrategy(Strategy):
         if loaded is None:
             raise SpreadError(f"no parameter-server checkpoint in {directory}")
         step, payload = loaded
-        servers = payload["servers"]
-        if len(servers) != self.client.num_servers:
-            raise SpreadError(
-                f"the checkpoint in {directory} holds {len(servers)} server(s); "
-                f"this job has {self.client.num_servers}"
-            )
-        config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
-        if payload.get("optimizer"):
-            config["optimizer"] = payload["optimizer"]
-        self.client.load({int(s): tensors for s, tensors in servers.items()}, config)
-        self.pull()
+        try:
+            self.load_server_state(payload)
+        except SpreadError as exc:
+            raise SpreadError(f"{exc} (checkpoint in {directory})") from None
         return step
 
     def wait_for_workers(self, timeout: float | None = None) -> None:

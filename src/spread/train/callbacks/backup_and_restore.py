@@ -20,6 +20,7 @@ a warning in favour of the previous one.
 from __future__ import annotations
 
 import random
+import secrets
 import shutil
 from typing import Any
 
@@ -60,11 +61,18 @@ class BackupAndRestore(Callback):
     # -- restore ---------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
         trainer = self.trainer
+        parameter_servers = hasattr(trainer.strategy, "resume_from_servers")
+        if parameter_servers and not trainer.is_chief:
+            self._resume_parameter_server_task()
+            return
         found = self.manager.load_latest()
         if found is None:
+            if parameter_servers:
+                trainer.strategy.announce_fresh_start()
             return
         step, state = found
         self._check_compatible(state, step)
+        servers = state.get("ps")
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.global_step = int(state["global_step"])
@@ -82,7 +90,43 @@ class BackupAndRestore(Callback):
             "batch": int(state["batch"]),
             "sums": state["sums"],
         }
+        if servers is not None:  # the chief restores the servers; the other tasks wait for that
+            trainer.strategy.load_server_state(servers, restored_from=state["backup_id"])
+            held = trainer.strategy.resume_from_servers(servers)
+            if held != trainer.global_step:
+                raise SpreadError(
+                    f"backup {state['backup_id']}: the servers hold {held} of the chief's steps, "
+                    f"the chief saved at step {trainer.global_step}"
+                )
         self.restored_step = step
+
+    def _resume_parameter_server_task(self) -> None:
+        """A non-chief task of a parameter-server job: wait for the chief's word (the servers restored
+        from a backup, or a fresh start), then resume after this task's last step the servers hold
+        (its position comes from the servers' ledger; its model is the servers' variables). Its RNG
+        states, History and the running sums of the interrupted epoch are its own and not in the
+        backup (tasks share no collective), so they start afresh: exact for data order and weights in
+        sync mode while non-chief tasks draw no random numbers (dropout), never bit-exact in async.
+        """
+        trainer = self.trainer
+        strategy = trainer.strategy
+        restored_from = strategy.wait_for_restore()
+        if restored_from is None:
+            return
+        held = strategy.resume_from_servers()
+        steps = trainer.params.get("steps")
+        if not steps:
+            raise SpreadError(
+                "BackupAndRestore under ParameterServerStrategy needs a dataset with a length (or "
+                "steps_per_epoch) to turn a task's step count back into a data position"
+            )
+        trainer.global_step = held
+        trainer.resume_point = {
+            "epoch": held // steps,
+            "batch": held % steps,
+            "sums": torch.zeros(2 + len(trainer.metrics), dtype=torch.float64),
+        }
+        self.restored_step = int(restored_from.split("-", 1)[0])
 
     def _config(self) -> dict[str, Any]:
         """What must be unchanged for an exact resume: the strategy, its replicas, the batch size."""
@@ -114,6 +158,11 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.delete_checkpoint and self.trainer.is_chief:
+            # Parameter servers: the other tasks train on after the chief (async); one that fails later
+            # must still find the backup, so it goes only once every task has finished.
+            wait_for_workers = getattr(self.trainer.strategy, "wait_for_workers", None)
+            if wait_for_workers is not None:
+                wait_for_workers()
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     def _gather_all(self) -> Any:
@@ -194,4 +243,8 @@ class BackupAndRestore(Callback):
                 "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
             },
         }
+        server_state = getattr(trainer.strategy, "server_state", None)
+        if server_state is not None:  # parameter servers: their shards, optimizer state and ledger
+            state["ps"] = server_state()
+            state["backup_id"] = f"{trainer.global_step}-{secrets.token_hex(6)}"
         self.manager.save(trainer.global_step, state)
