@@ -205,3 +205,72 @@ def test_resume_from_servers_reads_this_tasks_prefix(mode):
         assert (held, strategy._session, strategy.local_step) == (2, "bb", 2)
     else:
         assert (held, strategy.local_step) == (7, 7)
+
+
+def test_a_step_held_by_one_server_only_is_applied_once_after_the_restore(monkeypatch):
+    """The inconsistent cut async backups can take: server 0 was read after the task's step 3 reached
+    it, server 1 before. Restored from that, the task resumes at step 3 under the same step id: server
+    0 drops it as a duplicate, server 1 applies it. Real servers, in process."""
+    import torch
+    from torch import nn
+
+    import spread
+    from spread.cluster import ClusterSpec
+    from spread.ps.server import ParameterServer
+
+    token = "backup-test-token"
+    monkeypatch.setenv("SPREAD_JOB_TOKEN", token)
+    servers = [ParameterServer(i, token=token).start() for i in range(2)]
+    spec = ClusterSpec(
+        role="chief",
+        task_index=0,
+        rank=0,
+        world_size=1,
+        cluster={"chief": ["127.0.0.1:1"], "ps": [s.address for s in servers]},
+        source="tf_config",
+    )
+    strategy = spread.ParameterServerStrategy(cluster=spec, timeout=10)
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))  # 4 tensors over 2 servers
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(16, 4)
+
+        def step():
+            optimizer.zero_grad()
+            strategy.run(lambda: model(x).pow(2).mean().backward())
+            optimizer.step()
+
+        for _ in range(3):
+            step()
+        before = strategy.server_state()
+        step()
+        after = strategy.server_state()
+        session = strategy._session
+        cut = {
+            "servers": {"0": after["servers"]["0"], "1": before["servers"]["1"]},
+            "optimizer": after["optimizer"],
+            "ledgers": {"0": after["ledgers"]["0"], "1": before["ledgers"]["1"]},
+        }
+        strategy._session = "other"  # a restarted process: another session, step count 0
+        strategy.local_step = 0
+        strategy.load_server_state(cut, restored_from="4-test")
+        assert strategy.wait_for_restore(timeout=5) == "4-test"
+        assert strategy.resume_from_servers() == 3 and strategy._session == session
+        step()  # step 3 again, under its old id
+        stats = strategy.server_stats(ids=True)
+        assert [s["duplicates"] for s in stats] == [1, 0]
+        assert [s["applied"] for s in stats] == [4, 4]
+        for s in stats:
+            assert s["applied_ids"] == [f"w0.{session}.{k}" for k in range(4)]
+        # server 0 kept its values (the repeated push was dropped); server 1 applied the step
+        final = strategy.server_state()["servers"]
+        for key, value in after["servers"]["0"].items():
+            assert torch.equal(final["0"][key], value), key
+        assert any(not torch.equal(final["1"][k], v) for k, v in before["servers"]["1"].items())
+    finally:
+        strategy.wait_for_workers_on_close = False
+        strategy.close()
+        for s in servers:
+            s.stop()
