@@ -15,6 +15,19 @@ weight is overwritten (an exact resume is impossible across such a change).
 Every rank must use the callback (it gathers RNG states collectively); only the chief writes.
 Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
 a warning in favour of the previous one.
+
+Pipelines: each stage's weights and optimizer state are gathered into the one-device layout
+(``gather_state_dict``, ``gather_optimizer_state_dict``; collective), RNG states from every rank of
+every stage, so the backup is the one a single device would write and restores under any split.
+
+Parameter servers: the chief's backup also holds every server's shards, optimizer state and ledger
+(the ids of the steps each applied). On restart the chief restores the servers and says so on them;
+the other tasks wait for that word and resume after the last of their own steps the servers hold.
+Sync mode: every task resumes at the chief's step, exactly (non-chief tasks' RNG states are not in
+the backup: bit-exact while they draw no random numbers). Async mode: a task keeps its step ids, so
+a step that some server applied before the backup is dropped there and applied by the others: after
+the restore no step is lost or applied twice (the result is not an uninterrupted run's, bit for bit,
+as async training never is). The servers must start with the job, as under ``spread run``.
 """
 
 from __future__ import annotations
