@@ -8,6 +8,11 @@ the measured best in each (workload, N) cell.
 
     python benchmarks/plan_validation.py [--workloads W1,W2,W3] [--procs 2,3,4] [--profile PATH]
         [--steps 5] [--json results.json]
+    python benchmarks/plan_validation.py --replay results.json [results2.json ...]
+
+``--json`` keeps the model profiles and the calibration with the measured rows, so ``--replay`` can
+predict the same configurations again with the current cost model, without measuring anything (to
+see what a change to the model does to the error and the recommendations). Several files are merged.
 
 Timing runs one at a time; nothing else should load the machine meanwhile.
 """
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,10 +36,10 @@ sys.path.insert(0, str(HERE))
 import block_workloads as workloads  # noqa: E402
 
 from spread.plan.advisor import make_plan  # noqa: E402
-from spread.plan.calibration import calibrate, load_profile  # noqa: E402
+from spread.plan.calibration import CalibrationProfile, calibrate, load_profile  # noqa: E402
 from spread.plan.cluster import ClusterModel  # noqa: E402
-from spread.plan.predict import Options  # noqa: E402
-from spread.plan.workload import measure_model  # noqa: E402
+from spread.plan.predict import Candidate, Options, predict  # noqa: E402
+from spread.plan.workload import LayerProfile, ModelProfile, measure_model  # noqa: E402
 
 MEASURABLE = {
     "one_device",
@@ -87,6 +93,103 @@ def _measure(workload: str, candidate, steps: int, timeout: float) -> float | No
         return json.loads(Path(out).read_text())["step_seconds"]
 
 
+def _profile_from_json(data: dict) -> ModelProfile:
+    """The :class:`ModelProfile` that ``asdict`` wrote (JSON turned int keys and tuples into str/lists)."""
+    data = dict(data)
+    data["compute"] = {int(k): tuple(v) for k, v in data["compute"].items()}
+    data["contention"] = {int(k): float(v) for k, v in data.get("contention", {}).items()}
+    data["layers"] = tuple(LayerProfile(**layer) for layer in data.get("layers", ()))
+    arrival = data.get("gradient_arrival")
+    data["gradient_arrival"] = None if arrival is None else tuple(tuple(point) for point in arrival)
+    return ModelProfile(**data)
+
+
+def _candidate(row: dict) -> Candidate:
+    c = row["candidate"]
+    return Candidate(c["strategy"], c["devices"], tuple((k, v) for k, v in c["settings"]))
+
+
+def _cells(rows: list[dict], recommend: dict) -> list[dict]:
+    """Per (workload, procs): the recommendation among the measured configurations vs the measured best.
+
+    ``recommend`` maps a row's index to its predicted samples/s. ``close`` also counts a
+    recommendation whose measured step is within 5% of the best's (a tie within this machine's noise).
+    """
+    cells = []
+    for key in dict.fromkeys((r["workload"], r["procs"]) for r in rows):
+        here = [(i, r) for i, r in enumerate(rows) if (r["workload"], r["procs"]) == key and r["measured_ms"]]
+        if not here:
+            continue
+        best = min(here, key=lambda t: t[1]["measured_ms"])[1]
+        chosen = max(here, key=lambda t: recommend[t[0]])[1]
+        cells.append(
+            {
+                "workload": key[0],
+                "procs": key[1],
+                "recommended": chosen["config"],
+                "measured_best": best["config"],
+                "hit": chosen["config"] == best["config"],
+                "close": chosen["measured_ms"] <= 1.05 * best["measured_ms"],
+                "best_ms": best["measured_ms"],
+                "recommended_ms": chosen["measured_ms"],
+            }
+        )
+    return cells
+
+
+def _report(rows: list[dict], cells: list[dict]) -> None:
+    print("\n| workload | procs | configuration | predicted ms | measured ms | error |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        measured = "failed" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
+        error = "" if r["error"] is None else f"{r['error']:+.0%}"
+        print(
+            f"| {r['workload']} | {r['procs']} | {r['config']} | {r['predicted_ms']:.1f} | {measured} "
+            f"| {error} |"
+        )
+    print("\n| workload | procs | recommended | measured best | same | best ms | recommended ms |")
+    print("|---|---|---|---|---|---|---|")
+    for c in cells:
+        print(
+            f"| {c['workload']} | {c['procs']} | {c['recommended']} | {c['measured_best']} | "
+            f"{'yes' if c['hit'] else ('within 5%' if c['close'] else 'no')} | {c['best_ms']:.0f} | "
+            f"{c['recommended_ms']:.0f} |"
+        )
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    if errors and cells:
+        hits = sum(c["hit"] for c in cells)
+        close = sum(c["close"] for c in cells)
+        print(
+            f"\nmedian absolute error {statistics.median(errors):.0%} over {len(errors)} configurations; "
+            f"recommendation = measured best in {hits} of {len(cells)} cells ({hits / len(cells):.0%}); "
+            f"within 5% of the best in {close} of {len(cells)}"
+        )
+
+
+def _replay(paths: list[str]) -> None:
+    """Predict every measured row of ``paths`` again with the current cost model."""
+    rows: list[dict] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        calibration = CalibrationProfile.from_json(data["calibration"], source=path)
+        profiles = {name: _profile_from_json(p) for name, p in data["profiles"].items()}
+        for row in data["rows"]:
+            candidate = _candidate(row)
+            cluster = ClusterModel.from_profile(calibration, devices_per_node=row["procs"])
+            options = Options(global_batch=row["global_batch"])
+            prediction = predict(candidate, profiles[row["workload"]], cluster, options)
+            measured = row["measured_ms"]
+            rows.append(
+                {
+                    **row,
+                    "predicted_ms": prediction.step_seconds * 1e3,
+                    "predicted_rate": prediction.samples_per_second,
+                    "error": None if measured is None else prediction.step_seconds * 1e3 / measured - 1,
+                }
+            )
+    _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W2,W3")
@@ -94,15 +197,19 @@ def main() -> None:
     parser.add_argument("--profile", default="spread-calibration.json")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--json", default=None, help="also write every row as JSON here")
+    parser.add_argument("--json", default=None, help="also write rows, model profiles and calibration here")
     parser.add_argument("--strategies", default=",".join(sorted(MEASURABLE)), help="subset to measure")
+    parser.add_argument("--replay", nargs="+", default=None, help="predict saved --json results again")
     args = parser.parse_args()
+    if args.replay:
+        _replay(args.replay)
+        return
     if not os.path.exists(args.profile):
         print(f"calibrating into {args.profile} ...", file=sys.stderr)
         calibrate(args.profile)
     calibration = load_profile(args.profile)
     cores = os.cpu_count() or 1
-    rows, cells = [], []
+    rows, profiles = [], {}
     for name in args.workloads.split(","):
         model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name)
         x, y = make_batch(global_batch)
@@ -118,12 +225,13 @@ def main() -> None:
             concurrency=[n for n in counts if n > 1],
             name=name,
         )
+        profiles[name] = asdict(profile)
+        print(f"{name}: contention {profile.contention}", file=sys.stderr)
         for n in counts:
             cluster = ClusterModel.from_profile(calibration, devices_per_node=n)
             plan = make_plan(
                 profile, cluster, Options(global_batch=global_batch), tuple(args.strategies.split(","))
             )
-            measured_here = []
             for prediction in plan.predictions:
                 c = prediction.candidate
                 if c.strategy == "pipeline" and c.get("microbatches") not in (
@@ -138,55 +246,22 @@ def main() -> None:
                 row = {
                     "workload": name,
                     "procs": n,
-                    "config": prediction.candidate.label,
+                    "global_batch": global_batch,
+                    "config": c.label,
+                    "candidate": {"strategy": c.strategy, "devices": c.devices, "settings": list(c.settings)},
                     "predicted_ms": prediction.step_seconds * 1e3,
+                    "predicted_rate": prediction.samples_per_second,
                     "measured_ms": None if seconds is None else seconds * 1e3,
                     "error": None if seconds is None else prediction.step_seconds / seconds - 1,
                     "wall_s": time.perf_counter() - started,
                 }
                 rows.append(row)
-                if seconds is not None:
-                    measured_here.append((global_batch / seconds, prediction))
                 print(json.dumps(row), file=sys.stderr)
-            if measured_here:
-                best = max(measured_here, key=lambda t: t[0])[1]
-                # The recommendation among the configurations measured (the grid skips some).
-                recommended = max((p for _, p in measured_here), key=lambda p: p.samples_per_second)
-                cells.append(
-                    {
-                        "workload": name,
-                        "procs": n,
-                        "recommended": recommended.candidate.label,
-                        "measured_best": best.candidate.label,
-                        "hit": best.candidate == recommended.candidate,
-                    }
-                )
-    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+                if args.json:  # written as it goes: a long run that dies keeps what it measured
+                    saved = {"rows": rows, "profiles": profiles, "calibration": calibration.to_json()}
+                    Path(args.json).write_text(json.dumps(saved, indent=1))
     print(f"machine: {calibration.machine}; calibration {args.profile} measured {calibration.measured_at}")
-    print("\n| workload | procs | configuration | predicted ms | measured ms | error |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        measured = "failed" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
-        error = "" if r["error"] is None else f"{r['error']:+.0%}"
-        print(
-            f"| {r['workload']} | {r['procs']} | {r['config']} | {r['predicted_ms']:.1f} | {measured} "
-            f"| {error} |"
-        )
-    print("\n| workload | procs | recommended | measured best | same |")
-    print("|---|---|---|---|---|")
-    for c in cells:
-        print(
-            f"| {c['workload']} | {c['procs']} | {c['recommended']} | {c['measured_best']} | "
-            f"{'yes' if c['hit'] else 'no'} |"
-        )
-    if errors:
-        hits = sum(c["hit"] for c in cells)
-        print(
-            f"\nmedian absolute error {statistics.median(errors):.0%} over {len(errors)} configurations; "
-            f"recommendation = measured best in {hits} of {len(cells)} cells ({hits / len(cells):.0%})"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "cells": cells}, indent=2))
+    _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))
 
 
 if __name__ == "__main__":
