@@ -144,6 +144,7 @@ class ParameterServerStrategy(Strategy):
         self._hooks: list[Any] = []
         self._touched: dict[str, list[torch.Tensor]] = {}
         self._session = secrets.token_hex(4)
+        self._starts = 0  # BackupAndRestore starts (fits) so far: stamps name the fit they belong to
         self.local_step = 0
         self.task_step_id: str | None = None  # set by the coordinator around a scheduled task
         self.wait_for_workers_on_close = True
@@ -385,16 +386,22 @@ class ParameterServerStrategy(Strategy):
             config["optimizer"] = payload["optimizer"]
         ledgers = None
         if restored_from is not None:
+            stamp = self._stamp(restored_from)
             ledgers = {
-                int(s): {**payload.get("ledgers", {}).get(s, {}), "restored_from": restored_from}
-                for s in servers
+                int(s): {**payload.get("ledgers", {}).get(s, {}), "restored_from": stamp} for s in servers
             }
         self.client.load({int(s): tensors for s, tensors in servers.items()}, config, ledgers)
         self.pull()
 
     def announce_fresh_start(self) -> None:
         """The chief found no backup: tell the servers, so the other tasks start from step 0 too."""
-        self.client.announce(f"{FRESH_START}{secrets.token_hex(6)}")
+        self.client.announce(self._stamp(f"{FRESH_START}{secrets.token_hex(6)}"))
+
+    def _stamp(self, name: str) -> str:
+        """``<fit number>/<name>``: a task's second ``fit`` must not take the first one's word."""
+        stamp = f"{self._starts}/{name}"
+        self._starts += 1
+        return stamp
 
     def wait_for_restore(self, timeout: float | None = None) -> str | None:
         """Block until the chief has said how this job starts (every server restored from one backup,
@@ -406,9 +413,10 @@ class ParameterServerStrategy(Strategy):
         ``spread run``, which relaunches them with every attempt)."""
         budget = self.init_timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
+        prefix = f"{self._starts}/"
         while True:
             names = {s.get("restored_from") or "" for s in self.client.stats()}
-            if len(names) == 1 and "" not in names:
+            if len(names) == 1 and next(iter(names)).startswith(prefix):
                 break
             if time.monotonic() > deadline:
                 raise SpreadError(
@@ -418,7 +426,8 @@ class ParameterServerStrategy(Strategy):
                 )
             time.sleep(0.05)
         self.pull()
-        name = names.pop()
+        self._starts += 1
+        name = names.pop()[len(prefix) :]
         return None if name.startswith(FRESH_START) else name
 
     def resume_from_servers(self, payload: dict[str, Any] | None = None) -> int:
