@@ -316,3 +316,12 @@ def test_chief_killed_during_a_sharded_save_others_fail_and_latest_still_loads(t
     assert list(tmp_path.glob(".tmp-*"))  # the half-written step 2 ...
     manager.save(3, {"step": 3}, shards=_shards(0, 3))
     assert not list(tmp_path.glob(".tmp-*"))  # ... is removed by the next save
+
+
+def test_load_latest_of_one_step(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=3)
+    for step in (1, 2, 3):
+        manager.save(step, {"w": torch.full((2,), float(step))})
+    step, state = manager.load_latest(step=2)
+    assert step == 2 and torch.equal(state["w"], torch.full((2,), 2.0))
+    assert manager.load_latest(step=7) is None

@@ -55,7 +55,7 @@ g = torch.Generator().manual_seed(1)
 x, y = torch.randn(160, 8, generator=g), torch.randint(0, 3, (160,), generator=g)
 torch.manual_seed(0)
 with strategy.scope():
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 backup = BackupAndRestore(backup_dir, save_freq=cfg.get("save_freq", 3))
 trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy,

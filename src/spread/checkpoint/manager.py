@@ -147,6 +147,7 @@ class CheckpointManager:
         *,
         like: Mapping[str, Any] | None = None,
         shards_like: Mapping[str, torch.Tensor] | None = None,
+        step: int | None = None,
     ) -> tuple[int, dict] | None:
         """Return ``(step, state)`` of the newest valid checkpoint, or None when there is none.
 
@@ -159,8 +160,11 @@ class CheckpointManager:
         difference (a mismatch is a configuration error, so there is no fallback to older ones).
         ``shards_like``: this rank's per-rank tensors to read back (see :meth:`save`); they are
         returned as ``state["shards"]``. No collectives: every rank may load on its own.
+        ``step``: only the checkpoint of that step (None when there is none).
         """
         candidates = self.checkpoints()
+        if step is not None:
+            candidates = [c for c in candidates if c.name == f"ckpt-{step:010d}"]
         pointer = self.directory / POINTER
         if pointer.is_file():
             named = self.directory / pointer.read_text().strip()

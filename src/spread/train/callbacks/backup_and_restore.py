@@ -23,8 +23,9 @@ every stage, so the backup is the one a single device would write and restores u
 Parameter servers: the chief's backup also holds every server's shards, optimizer state and ledger
 (the ids of the steps each applied). On restart the chief restores the servers and says so on them;
 the other tasks wait for that word and resume after the last of their own steps the servers hold.
-Sync mode: every task resumes at the chief's step, exactly (non-chief tasks' RNG states are not in
-the backup: bit-exact while they draw no random numbers). Async mode: a task keeps its step ids, so
+Sync mode: every task resumes at the chief's step, exactly: each non-chief task also saves its own
+RNG states, History and running sums under ``task-<rank>/`` (tasks share no collective to gather
+them), and the chief restores the newest backup every task saved. Async mode: a task keeps its step ids, so
 a step that some server applied before the backup is dropped there and applied by the others: after
 the restore no step is lost or applied twice (the result is not an uninterrupted run's, bit for bit,
 as async training never is). The servers must start with the job, as under ``spread run``.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import random
 import secrets
 import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,6 +71,7 @@ class BackupAndRestore(Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.manager = CheckpointManager(backup_dir, keep=keep)
+        self.keep = keep
         self.restored_step: int | None = None
 
     # -- restore ---------------------------------------------------------------------------------
@@ -78,7 +81,7 @@ class BackupAndRestore(Callback):
         if parameter_servers and not trainer.is_chief:
             self._resume_parameter_server_task()
             return
-        found = self.manager.load_latest()
+        found = self._load_for_every_task() if self._sync_tasks() else self.manager.load_latest()
         if found is None:
             if parameter_servers:
                 trainer.strategy.announce_fresh_start()
@@ -91,13 +94,7 @@ class BackupAndRestore(Callback):
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
         trainer.history.epoch = list(state["history_epochs"])
-        rank = trainer.strategy.rank if hasattr(trainer.strategy, "rank") else 0
-        torch_states = state["rng"]["torch"]
-        torch.set_rng_state(torch_states[min(rank, len(torch_states) - 1)].clone())
-        version, internal, gauss = state["rng"]["python"]
-        random.setstate((version, tuple(internal), gauss))
-        np_state = np.random.get_state()
-        np.random.set_state((np_state[0], state["rng"]["numpy"].numpy().astype(np.uint32), *np_state[2:]))
+        _set_rng(state["rng"], trainer.strategy.rank if hasattr(trainer.strategy, "rank") else 0)
         trainer.resume_point = {
             "epoch": int(state["epoch"]),
             "batch": int(state["batch"]),
@@ -116,10 +113,9 @@ class BackupAndRestore(Callback):
     def _resume_parameter_server_task(self) -> None:
         """A non-chief task of a parameter-server job: wait for the chief's word (the servers restored
         from a backup, or a fresh start), then resume after this task's last step the servers hold
-        (its position comes from the servers' ledger; its model is the servers' variables). Its RNG
-        states, History and the running sums of the interrupted epoch are its own and not in the
-        backup (tasks share no collective), so they start afresh: exact for data order and weights in
-        sync mode while non-chief tasks draw no random numbers (dropout), never bit-exact in async.
+        (its position comes from the servers' ledger; its model is the servers' variables). Sync
+        mode: its RNG states, History and running sums come from its own part of the backup, so it
+        resumes bit for bit. Async mode: they start afresh (async is never bit-exact).
         """
         trainer = self.trainer
         strategy = trainer.strategy
@@ -140,6 +136,37 @@ class BackupAndRestore(Callback):
             "sums": torch.zeros(2 + len(trainer.metrics), dtype=torch.float64),
         }
         self.restored_step = int(restored_from.split("-", 1)[0])
+        own = self._task_manager(strategy.rank).load_latest(step=held) if self._sync_tasks() else None
+        if own is not None:  # sync mode: this task's RNG states, History and running sums too
+            _, state = own
+            trainer.history.history = {k: list(v) for k, v in state["history"].items()}
+            trainer.history.epoch = list(state["history_epochs"])
+            trainer.resume_point["sums"] = state["sums"]
+            _set_rng(state["rng"], 0)
+
+    def _sync_tasks(self) -> list[int]:
+        """The non-chief tasks of a sync-mode parameter-server job (each saves its own RNG states)."""
+        strategy = self.trainer.strategy
+        if not hasattr(strategy, "resume_from_servers") or getattr(strategy, "mode", None) != "sync":
+            return []
+        return list(range(1, strategy.num_workers))
+
+    def _task_manager(self, rank: int) -> CheckpointManager:
+        # One more than the chief keeps: a task may be one backup ahead of a chief that died saving.
+        return CheckpointManager(Path(self.backup_dir) / f"task-{rank:05d}", keep=self.keep + 1)
+
+    def _load_for_every_task(self) -> tuple[int, dict[str, Any]] | None:
+        """Sync parameter servers: the newest backup of the chief that every other task also saved its
+        own part of (RNG states, History), so that every task resumes bit for bit."""
+        steps = sorted((int(c.name.removeprefix("ckpt-")) for c in self.manager.checkpoints()), reverse=True)
+        for step in steps:
+            if all(
+                (self._task_manager(r).directory / f"ckpt-{step:010d}").is_dir() for r in self._sync_tasks()
+            ):
+                found = self.manager.load_latest(step=step)
+                if found is not None:
+                    return found
+        return self.manager.load_latest()  # no common step: resume anyway (tasks' RNG afresh)
 
     def _config(self) -> dict[str, Any]:
         """What must be unchanged for an exact resume: the strategy, its replicas, the batch size."""
@@ -219,6 +246,8 @@ class BackupAndRestore(Callback):
                 self._write(all_rng, model_state, optimizer_state)
             except Exception as exc:  # reported to the other ranks below, then re-raised
                 failure = exc
+        elif self._sync_tasks():  # a sync parameter-server task: its own RNG states, beside the chief's
+            self._task_manager(trainer.strategy.rank).save(trainer.global_step, self._common_state(rng))
         if gather is not None:
             written = gather(torch.tensor([0.0 if failure else 1.0]))
             if failure is None and bool((written < 1).any()):
@@ -229,9 +258,8 @@ class BackupAndRestore(Callback):
         if failure is not None:
             raise failure
 
-    def _write(
-        self, all_rng: torch.Tensor, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None:
+    def _common_state(self, all_rng: torch.Tensor) -> dict[str, Any]:
+        """Position, running sums, History and RNG states (torch's as given): what every backup holds."""
         trainer = self.trainer
         position = trainer.train_dataset.state_dict()
         sums = (
@@ -240,10 +268,7 @@ class BackupAndRestore(Callback):
             else torch.zeros_like(trainer.running_sums.totals)
         )
         version, internal, gauss = random.getstate()
-        state: dict[str, Any] = {
-            "config": self._config(),
-            "model": model_state,
-            "optimizer": optimizer_state,
+        return {
             "global_step": trainer.global_step,
             "epoch": position["epoch"],
             "batch": position["batch"],
@@ -256,8 +281,29 @@ class BackupAndRestore(Callback):
                 "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
             },
         }
+
+    def _write(
+        self, all_rng: torch.Tensor, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        trainer = self.trainer
+        state: dict[str, Any] = {
+            "config": self._config(),
+            "model": model_state,
+            "optimizer": optimizer_state,
+            **self._common_state(all_rng),
+        }
         server_state = getattr(trainer.strategy, "server_state", None)
         if server_state is not None:  # parameter servers: their shards, optimizer state and ledger
             state["ps"] = server_state()
             state["backup_id"] = f"{trainer.global_step}-{secrets.token_hex(6)}"
         self.manager.save(trainer.global_step, state)
+
+
+def _set_rng(rng: dict[str, Any], row: int) -> None:
+    """Restore torch's (row ``row`` of the saved states), Python's and NumPy's RNG states."""
+    torch_states = rng["torch"]
+    torch.set_rng_state(torch_states[min(row, len(torch_states) - 1)].clone())
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = np.random.get_state()
+    np.random.set_state((np_state[0], rng["numpy"].numpy().astype(np.uint32), *np_state[2:]))
