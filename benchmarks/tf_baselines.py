@@ -412,6 +412,8 @@ def run_ps_chief(a: argparse.Namespace) -> None:
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     d = np.load(a.data)
     per = a.per_step or int(d["global_batch"])
+    if not 0 < per <= len(d["x"]):
+        raise ValueError(f"--per-step {per}: the synthetic batch has {len(d['x'])} samples")
     x, y = d["x"][:per], d["y"][:per]
     with strategy.scope():
         model = _Model(tf, a, d)
