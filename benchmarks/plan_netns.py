@@ -128,8 +128,9 @@ def main() -> None:
         for name in args.workloads.split(","):
             model, loss_fn, make_optimizer, make_batch, global_batch = block_workloads.make(name)
             x, y = make_batch(global_batch)
+            cores = (1, os.cpu_count() or 1)  # the machine's cores bound the contention measurement
             profile = measure_model(model, loss_fn, x, y, optimizer=make_optimizer(model.parameters()),
-                                    threads=(1,), concurrency=(2,), name=name)  # fmt: skip
+                                    threads=cores, concurrency=(2,), name=name)  # fmt: skip
             # The pretend hosts share this machine's cores: two training processes slow each other
             # as measured by the profile's contention, which a real 2-host cluster would not see.
             shared = profile.contention_factor(2)
