@@ -41,7 +41,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from spread.testing.ps_jobs import free_ports  # no torch, no TensorFlow: fine in every child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LR = 0.01
@@ -95,20 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.workers < 1 or a.ps < 1 or a.reps < 1 or a.steps < 1 or a.warmup < 0:
         ap.error("--workers, --ps, --reps and --steps must be >= 1, --warmup >= 0")
     return a
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (held together while picking, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def roles(mode: str, workers: int, ps: int) -> list[tuple[str, int]]:

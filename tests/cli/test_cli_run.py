@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from spread.cli.main import main
+from spread.testing import process_alive, reap_survivors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,13 +39,6 @@ def _spread(args: list[str], timeout: float = 30, **kwargs) -> subprocess.Comple
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _wait_for_pids(directory: Path, count: int, proc: subprocess.Popen, timeout: float = 20) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -58,12 +52,7 @@ def _wait_for_pids(directory: Path, count: int, proc: subprocess.Popen, timeout:
 
 
 def _assert_gone(pids: list[int], launcher_pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    survivors = [p for p in pids if _alive(p)]
-    for pid in survivors:
-        os.kill(pid, signal.SIGKILL)
+    survivors = reap_survivors(pids, timeout)
     assert not survivors, f"still alive: {survivors}"
     orphans = [p for p in psutil.process_iter(["ppid", "status"]) if p.info["ppid"] == launcher_pid]
     assert not [p for p in orphans if p.info["status"] != psutil.STATUS_ZOMBIE]
@@ -217,12 +206,12 @@ def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path) -> None:
             proc.wait(timeout=10)
     ranks, helpers = pids[0::2], pids[1::2]
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in helpers:  # PDEATHSIG covers the ranks only; their helpers are not the launcher's to reach
-        if _alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    assert not [p for p in ranks if _alive(p)]
+    assert not [p for p in ranks if process_alive(p)]
 
 
 def test_launcher_imports_without_torch() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import socket
 import textwrap
 import time
@@ -20,6 +19,7 @@ import psutil
 import pytest
 
 from spread.cluster.launcher import LaunchConfig, launch
+from spread.testing import reap_survivors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,21 +30,9 @@ def _script(tmp_path: Path, body: str, name: str = "child.py") -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
     """Every pid is dead (or a zombie), and this test process has no child left."""
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    survivors = [p for p in pids if _alive(p)]
-    for pid in survivors:  # do not leak into the next test, but still fail this one
-        os.kill(pid, signal.SIGKILL)
+    survivors = reap_survivors(pids, timeout)  # killed so they do not leak; this test still fails
     assert not survivors, f"processes still alive after launch returned: {survivors}"
     children = [
         c

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import spread
-from spread.cluster import ClusterSpec
 from spread.ps.server import ParameterServer
+from spread.testing import chief_of
 
 TOKEN = "checkpoint-test-token"
 
@@ -21,14 +21,7 @@ def _checksums(strategy) -> list[dict[str, float]]:
 def test_restore_reproduces_a_replaced_servers_shards(tmp_path, monkeypatch):
     monkeypatch.setenv("SPREAD_JOB_TOKEN", TOKEN)
     servers = [ParameterServer(i, token=TOKEN).start() for i in range(2)]
-    spec = ClusterSpec(
-        role="chief",
-        task_index=0,
-        rank=0,
-        world_size=1,
-        cluster={"chief": ["127.0.0.1:1"], "ps": [s.address for s in servers]},
-        source="tf_config",
-    )
+    spec = chief_of([s.address for s in servers])
     strategy = spread.ParameterServerStrategy(cluster=spec, min_shard_bytes=1024, timeout=10)
     try:
         with strategy.scope():

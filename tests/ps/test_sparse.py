@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import spread
-from spread.cluster import ClusterSpec
 from spread.ps.server import ParameterServer
+from spread.testing import chief_of
 
 TOKEN = "sparse-test-token"
 ROWS, DIM = 100_000, 16
@@ -19,14 +19,7 @@ ROW_BYTES = DIM * 4
 def job(monkeypatch, request):
     monkeypatch.setenv("SPREAD_JOB_TOKEN", TOKEN)
     servers = [ParameterServer(i, token=TOKEN, transport=request.param).start() for i in range(2)]
-    spec = ClusterSpec(
-        role="chief",
-        task_index=0,
-        rank=0,
-        world_size=1,
-        cluster={"chief": ["127.0.0.1:1"], "ps": [s.address for s in servers]},
-        source="tf_config",
-    )
+    spec = chief_of([s.address for s in servers])
     strategy = spread.ParameterServerStrategy(cluster=spec, transport=request.param)
     yield strategy
     strategy.wait_for_workers_on_close = False

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from spread.testing import reap_survivors
 
 STEPS_PER_TASK = 10  # 160 samples, global batch 32: 5 steps per epoch, 2 epochs
 
@@ -113,15 +113,7 @@ def _launch(tmp_path: Path, name: str, chaos: dict, max_restarts: int) -> dict:
 
 def _assert_ranks_gone(pids: list[int]) -> None:
     """Every task of every attempt is gone once spread run returned (leftover processes = 0)."""
-    deadline = time.monotonic() + 10
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [
-            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        time.sleep(0.05)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
+    alive = reap_survivors(pids)
     assert not alive, f"tasks left running: {alive}"
 
 
@@ -215,20 +207,13 @@ def test_a_step_held_by_one_server_only_is_applied_once_after_the_restore(monkey
     from torch import nn
 
     import spread
-    from spread.cluster import ClusterSpec
     from spread.ps.server import ParameterServer
+    from spread.testing import chief_of
 
     token = "backup-test-token"
     monkeypatch.setenv("SPREAD_JOB_TOKEN", token)
     servers = [ParameterServer(i, token=token).start() for i in range(2)]
-    spec = ClusterSpec(
-        role="chief",
-        task_index=0,
-        rank=0,
-        world_size=1,
-        cluster={"chief": ["127.0.0.1:1"], "ps": [s.address for s in servers]},
-        source="tf_config",
-    )
+    spec = chief_of([s.address for s in servers])
     strategy = spread.ParameterServerStrategy(cluster=spec, timeout=10)
     try:
         with strategy.scope():

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import spread
-from spread.testing import run_ranks
+from spread.testing import reap_survivors, run_ranks
 from spread.train.callbacks import BackupAndRestore, Callback, ModelCheckpoint
 
 N, BATCH, EPOCHS, SAVE_FREQ, CRASH_AT = 96, 16, 2, 4, 7  # 6 steps per epoch, 12 in all
@@ -246,23 +246,12 @@ def _spread_run(tmp_path, name: str, chaos: dict, max_restarts: int) -> tuple[st
     )
     log = out.stdout + out.stderr
     pids = [int(p) for p in re.findall(r"PID attempt=\d+ rank=\d+ pid=(\d+)", log)]
-    deadline = time.monotonic() + 10
-    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    alive = reap_survivors(pids)
     assert not alive, f"ranks left running: {alive}"
     assert out.returncode == 0, log[-4000:]
     match = re.search(r"WEIGHTS (.*)", out.stdout)
     assert match, log[-4000:]
     return log, [float(v) for v in match.group(1).split()]
-
-
-def _running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_sigkilled_stage_under_spread_run_restarts_and_resumes_exactly(tmp_path):

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from torch import nn
 
 import spread
 from spread.errors import CheckpointMismatchError
+from spread.testing import reap_survivors
 from spread.train.callbacks import BackupAndRestore, Callback
 
 N, BATCH, EPOCHS = 100, 16, 3  # 7 steps per epoch, the last one uneven
@@ -451,16 +451,7 @@ def _assert_listeners_gone(run: Run) -> None:
 
 def _assert_ranks_gone(run: Run) -> None:
     """No rank of any attempt outlives the launcher (they are grandchildren: conftest cannot see them)."""
-    pids = [e["pid"] for e in run.events("PID")]
-    deadline = time.monotonic() + 10
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [
-            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        time.sleep(0.05)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
+    alive = reap_survivors(e["pid"] for e in run.events("PID"))
     assert not alive, f"ranks left running: {alive}"
 
 

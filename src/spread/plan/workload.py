@@ -16,7 +16,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -242,28 +242,9 @@ def measure_model(
             optimizer_seconds = _median_time(opt.step, repeats)
             optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
         layers = _layer_profiles(work, x, forward)
-        partial = ModelProfile(
-            name="",
-            param_bytes=0.0,
-            sparse_bytes=0.0,
-            sparse_row_bytes=0.0,
-            sparse_rows_per_sample=0.0,
-            optimizer_bytes=0.0,
-            activation_bytes_per_sample=0.0,
-            compute=compute,
-            backward_fraction=backward_fraction,
-            optimizer_seconds=0.0,
-            batch=batch,
-        )
-        cores = max(threads)
-        contention = {
-            int(k): measure_contention(partial, work, loss_fn, inputs, targets, int(k), cores, repeats)
-            for k in sorted(set(concurrency))
-            if 2 <= k <= batch
-        }
     finally:
         torch.set_num_threads(previous_threads)
-    return ModelProfile(
+    profile = ModelProfile(
         name=name or type(model).__name__,
         param_bytes=param_bytes,
         sparse_bytes=sparse_bytes,
@@ -277,7 +258,16 @@ def measure_model(
         batch=batch,
         layers=layers,
         gradient_arrival=gradient_arrival,
-        contention=contention,
+    )
+    counts = sorted({int(k) for k in concurrency if 2 <= k <= batch})
+    if not counts:
+        return profile
+    cores = max(threads)
+    return replace(
+        profile,
+        contention={
+            k: measure_contention(profile, work, loss_fn, inputs, targets, k, cores, repeats) for k in counts
+        },
     )
 
 
@@ -322,9 +312,8 @@ def measure_contention(
     copies = [copy.deepcopy(model) for _ in range(replicas)]
     x, y = _take(inputs, local), _take(targets, local)
     barrier = threading.Barrier(replicas)
-    times: list[float] = []
+    times: list[float] = []  # list.append is atomic: no lock needed
     errors: list[BaseException] = []
-    lock = threading.Lock()
 
     def run(replica: nn.Module) -> None:
         params = [p for p in replica.parameters() if p.requires_grad]
@@ -342,8 +331,7 @@ def measure_contention(
             barrier.abort()
             errors.append(exc)
             return
-        with lock:
-            times.append(seconds)
+        times.append(seconds)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(per_replica_threads)

@@ -4,6 +4,17 @@ Public so that users can test their own distributed training code the way spread
 """
 
 from spread.testing.harness import RankResult, RanksFailed, launch_ranks, run_ranks
-from spread.testing.ps_jobs import ps_job_env, run_ps_job
+from spread.testing.processes import process_alive, reap_survivors
+from spread.testing.ps_jobs import chief_of, ps_job_env, run_ps_job
 
-__all__ = ["RankResult", "RanksFailed", "launch_ranks", "ps_job_env", "run_ps_job", "run_ranks"]
+__all__ = [
+    "RankResult",
+    "RanksFailed",
+    "chief_of",
+    "launch_ranks",
+    "process_alive",
+    "ps_job_env",
+    "reap_survivors",
+    "run_ps_job",
+    "run_ranks",
+]

@@ -11,6 +11,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from spread.cluster import ClusterSpec
 from spread.testing.harness import launch_ranks
 
 
@@ -25,6 +26,22 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def chief_of(server_addresses: list[str]) -> ClusterSpec:
+    """The cluster spec of a lone chief task using servers at ``server_addresses`` (for example
+    :class:`~spread.ps.server.ParameterServer` objects started in the test's own process).
+
+    The chief's own address is a placeholder: nothing connects to a chief that has no workers.
+    """
+    return ClusterSpec(
+        role="chief",
+        task_index=0,
+        rank=0,
+        world_size=1,
+        cluster={"chief": ["127.0.0.1:1"], "ps": list(server_addresses)},
+        source="tf_config",
+    )
 
 
 def ps_job_env(
