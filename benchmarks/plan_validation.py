@@ -8,11 +8,13 @@ the measured best in each (workload, N) cell.
 
     python benchmarks/plan_validation.py [--workloads W1,W2,W3] [--procs 2,3,4] [--profile PATH]
         [--steps 5] [--json results.json]
-    python benchmarks/plan_validation.py --replay results.json [results2.json ...]
+    python benchmarks/plan_validation.py --replay results.json [results2.json ...] [--reprofile]
 
 ``--json`` keeps the model profiles and the calibration with the measured rows, so ``--replay`` can
 predict the same configurations again with the current cost model, without measuring anything (to
 see what a change to the model does to the error and the recommendations). Several files are merged.
+``--reprofile`` profiles the models again first (to try a change to what the profile measures; the
+machine should be the one, and as quiet as the one, that measured the rows).
 
 Timing runs one at a time; nothing else should load the machine meanwhile.
 """
@@ -97,11 +99,20 @@ def _profile_from_json(data: dict) -> ModelProfile:
     """The :class:`ModelProfile` that ``asdict`` wrote (JSON turned int keys and tuples into str/lists)."""
     data = dict(data)
     data["compute"] = {int(k): tuple(v) for k, v in data["compute"].items()}
-    data["contention"] = {int(k): float(v) for k, v in data.get("contention", {}).items()}
+    for table in ("contention", "optimizer_by_threads", "optimizer_contention", "in_process"):
+        data[table] = {int(k): float(v) for k, v in data.get(table, {}).items()}
     data["layers"] = tuple(LayerProfile(**layer) for layer in data.get("layers", ()))
     arrival = data.get("gradient_arrival")
     data["gradient_arrival"] = None if arrival is None else tuple(tuple(point) for point in arrival)
     return ModelProfile(**data)
+
+
+def _factors(profile: ModelProfile) -> str:
+    """The measured slowdown factors and optimizer times of ``profile``, for the log."""
+    tables = ("contention", "optimizer_contention", "in_process", "optimizer_by_threads")
+    return "; ".join(
+        f"{t} {{{', '.join(f'{k}: {v:.3g}' for k, v in getattr(profile, t).items())}}}" for t in tables
+    )
 
 
 def _candidate(row: dict) -> Candidate:
@@ -166,13 +177,40 @@ def _report(rows: list[dict], cells: list[dict]) -> None:
         )
 
 
-def _replay(paths: list[str]) -> None:
-    """Predict every measured row of ``paths`` again with the current cost model."""
+def _profile_workload(name: str, procs: list[int]) -> ModelProfile:
+    """Profile ``name`` as the validation does for a grid of ``procs`` process counts."""
+    cores = os.cpu_count() or 1
+    model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name)
+    x, y = make_batch(global_batch)
+    counts = sorted(set(procs))
+    return measure_model(
+        model,
+        loss_fn,
+        x,
+        y,
+        optimizer=make_optimizer(model.parameters()),
+        threads=sorted({1, cores, *(max(1, cores // n) for n in counts)}),
+        concurrency=[n for n in counts if n > 1],
+        name=name,
+    )
+
+
+def _replay(paths: list[str], reprofile: bool = False) -> None:
+    """Predict every measured row of ``paths`` again with the current cost model.
+
+    ``reprofile``: profile the workloads again here first (to try a change to what the profile
+    measures); otherwise the saved profiles are used.
+    """
     rows: list[dict] = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         calibration = CalibrationProfile.from_json(data["calibration"], source=path)
         profiles = {name: _profile_from_json(p) for name, p in data["profiles"].items()}
+        if reprofile:
+            for name in profiles:
+                procs = [r["procs"] for r in data["rows"] if r["workload"] == name]
+                profiles[name] = _profile_workload(name, procs)
+                print(f"{name}: {_factors(profiles[name])}", file=sys.stderr)
         for row in data["rows"]:
             candidate = _candidate(row)
             cluster = ClusterModel.from_profile(calibration, devices_per_node=row["procs"])
@@ -200,33 +238,22 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write rows, model profiles and calibration here")
     parser.add_argument("--strategies", default=",".join(sorted(MEASURABLE)), help="subset to measure")
     parser.add_argument("--replay", nargs="+", default=None, help="predict saved --json results again")
+    parser.add_argument("--reprofile", action="store_true", help="with --replay: profile the models again")
     args = parser.parse_args()
     if args.replay:
-        _replay(args.replay)
+        _replay(args.replay, reprofile=args.reprofile)
         return
     if not os.path.exists(args.profile):
         print(f"calibrating into {args.profile} ...", file=sys.stderr)
         calibrate(args.profile)
     calibration = load_profile(args.profile)
-    cores = os.cpu_count() or 1
     rows, profiles = [], {}
     for name in args.workloads.split(","):
-        model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name)
-        x, y = make_batch(global_batch)
         counts = sorted({int(n) for n in args.procs.split(",")})
-        threads = sorted({1, cores, *(max(1, cores // n) for n in counts)})
-        profile = measure_model(
-            model,
-            loss_fn,
-            x,
-            y,
-            optimizer=make_optimizer(model.parameters()),
-            threads=threads,
-            concurrency=[n for n in counts if n > 1],
-            name=name,
-        )
+        global_batch = workloads.make(name)[-1]
+        profile = _profile_workload(name, counts)
         profiles[name] = asdict(profile)
-        print(f"{name}: contention {profile.contention}", file=sys.stderr)
+        print(f"{name}: {_factors(profile)}", file=sys.stderr)
         for n in counts:
             cluster = ClusterModel.from_profile(calibration, devices_per_node=n)
             plan = make_plan(

@@ -92,6 +92,36 @@ def test_replicas_slowing_each_other_scale_compute_but_not_the_baseline():
     )
 
 
+def test_each_process_applies_its_own_update_at_its_share_of_the_cores():
+    # Update: 20 ms on 1 thread, 10 ms on 2; two processes updating at once each take 1.5x longer;
+    # thread replicas of one process compute 1.4x slower than separate processes would.
+    p = _profile(optimizer_by_threads={1: 0.02, 2: 0.01}, optimizer_contention={2: 1.5}, in_process={2: 1.4})
+    options = Options(global_batch=100)
+    alone = predict(Candidate("one_device", 1), p, _cluster(), options)
+    assert alone.step_seconds == pytest.approx(100 * 0.6e-3 + 0.01)  # one process, both cores
+    shm = Candidate("multi_worker_mirrored", 2, (("communication", "shm"),))
+    mwms = predict(shm, p, _cluster(), options)
+    assert mwms.parts["optimizer"] == pytest.approx(1.5 * 0.02)  # 1 thread each, both at once
+    assert mwms.parts["compute"] == pytest.approx(0.05)  # separate processes: no in-process factor
+    assert mwms.step_seconds == pytest.approx(0.05 + 0.035 + 0.03)
+    # The efficiency baseline: one process with its share (1 thread) of the cores, 100 ms + 20 ms.
+    assert mwms.scaling_efficiency == pytest.approx((100 / 0.115) / (2 * 100 / 0.12))
+    mirrored = predict(Candidate("mirrored", 2), p, _cluster(), options)
+    assert mirrored.parts["compute"] == pytest.approx(1.4 * 0.05)
+    assert mirrored.parts["optimizer"] == pytest.approx(0.01)  # one update, by the whole process
+    # Four processes on two cores: 1 thread each, time-sliced 2x, and the factor measured at 2.
+    four = predict(
+        Candidate("multi_worker_mirrored", 4, (("communication", "shm"),)),
+        p,
+        _cluster(devices_per_node=4),
+        options,
+    )
+    assert four.parts["optimizer"] == pytest.approx(2 * 1.5 * 0.02)
+    # Accelerators: the update as measured, no CPU sharing.
+    gpus = predict(shm, p, _cluster(cores_per_node=None), options)
+    assert gpus.parts["optimizer"] == pytest.approx(0.01)
+
+
 def test_slow_native_loses_to_shm_and_accumulation_divides_activations():
     opts = Options(global_batch=100, accumulation_steps=2)
     native = predict(

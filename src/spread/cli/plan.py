@@ -133,9 +133,10 @@ def _run(args: argparse.Namespace) -> int:
     from spread.plan.advisor import PlanError, make_plan
     from spread.plan.calibration import CalibrationError
     from spread.plan.capture import CaptureError, capture_factory, capture_script
+    from spread.plan.concurrency import replica_counts
     from spread.plan.predict import STRATEGY_NAMES, Options
     from spread.plan.report import plot, render
-    from spread.plan.workload import measure_model, replica_counts
+    from spread.plan.workload import measure_model
 
     if bool(args.script) == bool(args.model):
         print("spread plan: give a SCRIPT or --model MODULE:FUNCTION (one of them)", file=sys.stderr)

@@ -106,20 +106,42 @@ def _compute(
     k: int,
     *,
     concurrent: int = 1,
+    in_process: bool = False,
 ) -> float:
     """Forward+backward of ``batch`` samples as ``k`` accumulation micro-steps on one device.
 
     On CPU nodes the processes share ``cores_per_node``: each gets ``cores // processes`` intra-op
     threads, more processes than cores run time-sliced (slower by ``processes / cores``), and
     ``concurrent`` replicas computing at the same time also slow each other through the shared
-    memory system, by the model's measured :meth:`~ModelProfile.contention_factor`.
+    memory system, by the model's measured :meth:`~ModelProfile.contention_factor` (and, for
+    ``in_process`` thread replicas, :meth:`~ModelProfile.in_process_factor` on top).
     """
     threads, crowding = None, 1.0
     if cluster.cores_per_node is not None:
         threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
         crowding = max(1.0, processes_per_node / cluster.cores_per_node)
         crowding *= profile.contention_factor(concurrent)
+        if in_process:
+            crowding *= profile.in_process_factor(concurrent)
     return crowding * k * profile.compute_seconds(batch / k, threads) / cluster.compute_scale
+
+
+def _optimizer(
+    profile: ModelProfile, cluster: ClusterModel, processes_per_node: int, concurrent: int
+) -> float:
+    """One optimizer step in each of ``processes_per_node`` processes, ``concurrent`` of them at once.
+
+    The update is compute too: on CPU nodes it runs at the process's share of the cores, time-sliced
+    past one process per core, and slowed by the others' updates through the shared memory system
+    (:meth:`~ModelProfile.optimizer_contention_factor`); a memory-bound update of a large table is
+    where data parallelism on one CPU node loses most.
+    """
+    if cluster.cores_per_node is None:
+        return profile.optimizer_seconds / cluster.compute_scale
+    threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
+    crowding = max(1.0, processes_per_node / cluster.cores_per_node)
+    crowding *= profile.optimizer_contention_factor(concurrent)
+    return crowding * profile.optimizer_time(threads) / cluster.compute_scale
 
 
 def _activations_per_sample(profile: ModelProfile, options: Options) -> float:
@@ -133,10 +155,9 @@ def _activations_per_sample(profile: ModelProfile, options: Options) -> float:
 
 def single_device_rate(profile: ModelProfile, cluster: ClusterModel, options: Options) -> float:
     """Samples/s of one device alone (the efficiency baseline), at its share of a node's cores."""
-    step = _compute(
-        profile, cluster, options.global_batch, cluster.devices_per_node, options.accumulation_steps
-    )
-    return options.global_batch / (step + profile.optimizer_seconds / cluster.compute_scale)
+    per_node = cluster.devices_per_node
+    step = _compute(profile, cluster, options.global_batch, per_node, options.accumulation_steps)
+    return options.global_batch / (step + _optimizer(profile, cluster, per_node, 1))
 
 
 def _allreduce(cluster: ClusterModel, algorithm: str, nbytes: float, n: int) -> float:
@@ -170,7 +191,7 @@ def predict(
 
 def _one_device(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     compute = _compute(p, cl, o.global_batch, 1, o.accumulation_steps)
-    opt = p.optimizer_seconds / cl.compute_scale
+    opt = _optimizer(p, cl, 1, 1)
     memory = data_parallel_memory(
         p.param_bytes,
         p.optimizer_bytes,
@@ -187,7 +208,9 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     in_process = c.strategy in ("mirrored", "central_storage")
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
-    compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node)
+    compute = _compute(
+        p, cl, local, per_node, o.accumulation_steps, concurrent=per_node, in_process=in_process
+    )
     backward = compute / o.accumulation_steps * p.backward_fraction
     grad_bytes = p.param_bytes
     if c.strategy == "mirrored":  # replicas share the parameters; autograd sums into them
@@ -201,7 +224,8 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         comm_total = sum(buckets)
         ready = bucket_ready_fractions(sizes, p.gradient_arrival)
         exposed = exposed_communication(backward, buckets, cl.overlap, ready)
-    opt = p.optimizer_seconds / cl.compute_scale
+    # thread replicas apply one update with the whole process; separate processes each apply their own
+    opt = _optimizer(p, cl, 1, 1) if in_process else _optimizer(p, cl, per_node, per_node)
     step = compute + exposed + opt
     memory = data_parallel_memory(
         p.param_bytes,
@@ -299,7 +323,7 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     step *= o.accumulation_steps
     stage_params = max(sum(p.layers[i].param_bytes for i in g) for g in groups)
     grad_sync = allreduce_time("native", stage_params, replicas, link)
-    opt = p.optimizer_seconds * (stage_params / max(p.param_bytes, 1.0)) / cl.compute_scale
+    opt = _optimizer(p, cl, min(c.devices, cl.devices_per_node), 1) * stage_params / max(p.param_bytes, 1.0)
     step += grad_sync + opt
     if o.checkpointing:
         acts = max(

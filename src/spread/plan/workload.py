@@ -11,9 +11,6 @@ and optimizer are never touched (everything runs on deep copies).
 from __future__ import annotations
 
 import copy
-import inspect
-import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,6 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from spread.plan._timing import median_time, same_optimizer, take
+from spread.plan.concurrency import measure_contention, measure_in_process, measure_optimizer_contention
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,13 @@ class ModelProfile:
     gradient_arrival: tuple[tuple[float, float], ...] | None = None
     # replicas computing at once -> slowdown of each one's step beyond core sharing (>= 1), measured
     contention: dict[int, float] = field(default_factory=dict)
+    # intra-op threads -> seconds of one optimizer step (a process runs it at its share of the cores)
+    optimizer_by_threads: dict[int, float] = field(default_factory=dict)
+    # replicas stepping their own optimizers at once -> slowdown of each beyond core sharing (>= 1)
+    optimizer_contention: dict[int, float] = field(default_factory=dict)
+    # in-process replicas (threads of one process, as MirroredStrategy runs them) -> slowdown of the
+    # replicated forward+backward with gradients combined in one address space, beyond ``contention``
+    in_process: dict[int, float] = field(default_factory=dict)
 
     def contention_factor(self, replicas: int) -> float:
         """How much slower each of ``replicas`` concurrent replicas computes than one alone would.
@@ -62,10 +69,27 @@ class ModelProfile:
         largest count's factor (more replicas than cores are slowed by time-slicing on top, which
         the caller adds).
         """
-        if replicas <= 1 or not self.contention:
-            return 1.0
-        known = [k for k in sorted(self.contention) if k <= replicas]
-        return self.contention[known[-1]] if known else 1.0
+        return _factor(self.contention, replicas)
+
+    def optimizer_contention_factor(self, replicas: int) -> float:
+        """As :meth:`contention_factor`, for ``replicas`` optimizer steps running at once."""
+        return _factor(self.optimizer_contention, replicas)
+
+    def in_process_factor(self, replicas: int) -> float:
+        """Extra slowdown of ``replicas`` in-process replicas (thread replicas) over separate ones."""
+        return _factor(self.in_process, replicas)
+
+    def optimizer_time(self, threads: int | None = None) -> float:
+        """Seconds of one optimizer step with ``threads`` intra-op threads (nearest measured count).
+
+        Falls back to ``optimizer_seconds`` (measured with the most threads) when no per-thread
+        figures were taken.
+        """
+        if threads is None or not self.optimizer_by_threads:
+            return self.optimizer_seconds
+        known = sorted(self.optimizer_by_threads)
+        nearest = min(known, key=lambda t: (abs(t - threads), -t))
+        return self.optimizer_by_threads[nearest]
 
     @property
     def dense_bytes(self) -> float:
@@ -85,6 +109,14 @@ class ModelProfile:
             return self.activation_bytes_per_sample
         kept = sum(layer.output_bytes_per_sample for layer in self.layers)
         return kept + max(layer.activation_bytes_per_sample for layer in self.layers)
+
+
+def _factor(table: dict[int, float], replicas: int) -> float:
+    """The factor measured at the largest count <= ``replicas`` (1.0 below every measured count)."""
+    if replicas <= 1 or not table:
+        return 1.0
+    known = [k for k in sorted(table) if k <= replicas]
+    return table[known[-1]] if known else 1.0
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -116,37 +148,6 @@ class _SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def _take(batch: Any, n: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:n]
-    if isinstance(batch, list | tuple):
-        return type(batch)(_take(b, n) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _take(v, n) for k, v in batch.items()}
-    return batch
-
-
-def _same_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """A fresh optimizer of the same class and settings over ``params`` (the copies).
-
-    ``defaults`` can hold keys the constructor does not take (torch 2.13's AdamW records
-    ``decoupled_weight_decay``), so only the constructor's own arguments are passed on.
-    """
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    return type(optimizer)(params, **settings)
-
-
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: allocator, kernels, lazy init
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_model(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -163,8 +164,9 @@ def measure_model(
 
     ``threads``: intra-op thread counts to time compute at (a CPU process of a job that runs ``k``
     processes per ``c``-core node gets ``c // k``). ``concurrency``: replica counts ``k >= 2`` whose
-    mutual slowdown to measure (:func:`measure_contention`; CPU only, where replicas share a node's
-    memory system). The model, its parameters and ``optimizer`` are copied, never modified.
+    mutual slowdown to measure (:mod:`spread.plan.concurrency`: forward+backward of separate copies,
+    their optimizer steps, and thread replicas under MirroredStrategy; CPU only, where replicas share
+    a node's memory system). The model, its parameters and ``optimizer`` are copied, never modified.
     """
     batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
     if batch < 2:
@@ -184,7 +186,7 @@ def measure_model(
             handles.append(module.register_forward_pre_hook(lambda m, args: touched.append(args[0].detach())))
 
     def step(n: int) -> None:
-        x, y = _take(inputs, n), _take(targets, n)
+        x, y = take(inputs, n), take(targets, n)
         for p in params:
             p.grad = None
         loss_fn(work(x), y).backward()
@@ -198,7 +200,7 @@ def measure_model(
         for p in params
     ]
     with counter.hooks():
-        x, y = _take(inputs, batch), _take(targets, batch)
+        x, y = take(inputs, batch), take(targets, batch)
         loss = loss_fn(work(x), y)
     started = time.perf_counter()
     loss.backward()
@@ -212,34 +214,37 @@ def measure_model(
 
     previous_threads = torch.get_num_threads()
     compute: dict[int, tuple[float, float]] = {}
+    optimizer_by_threads: dict[int, float] = {}
+    opt = same_optimizer(optimizer, params) if optimizer is not None else None
     small = max(1, batch // 4)
     try:
         for t in sorted(threads):
             torch.set_num_threads(int(t))
-            t_small = _median_time(lambda: step(small), repeats)
-            t_full = _median_time(lambda: step(batch), repeats)
+            t_small = median_time(lambda: step(small), repeats)
+            t_full = median_time(lambda: step(batch), repeats)
             per_sample = max((t_full - t_small) / (batch - small), 0.0)
             fit = (max(t_full - per_sample * batch, 0.0), per_sample)
             fewer = [compute[k] for k in sorted(compute) if k < t]
             if fewer and fewer[-1][0] + fewer[-1][1] * batch < t_full:
                 fit = fewer[-1]  # more threads measured slower (busy cores): a process can use fewer
             compute[int(t)] = fit
+            if opt is not None:  # each process steps its optimizer at its own share of the cores
+                step(batch)
+                optimizer_by_threads[int(t)] = median_time(opt.step, repeats)
         torch.set_num_threads(max(threads))
-        x, y = _take(inputs, batch), _take(targets, batch)
+        x, y = take(inputs, batch), take(targets, batch)
 
         def forward_only() -> None:
             loss_fn(work(x), y)
 
-        forward = _median_time(forward_only, repeats)
-        full = _median_time(lambda: step(batch), repeats)
+        forward = median_time(forward_only, repeats)
+        full = median_time(lambda: step(batch), repeats)
         backward_fraction = min(max(1.0 - forward / full, 0.0), 0.95) if full > 0 else 0.66
 
         optimizer_bytes = 0.0
         optimizer_seconds = 0.0
-        if optimizer is not None:
-            opt = _same_optimizer(optimizer, params)
-            step(batch)
-            optimizer_seconds = _median_time(opt.step, repeats)
+        if opt is not None:
+            optimizer_seconds = optimizer_by_threads[max(optimizer_by_threads)]
             optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
         layers = _layer_profiles(work, x, forward)
     finally:
@@ -258,98 +263,28 @@ def measure_model(
         batch=batch,
         layers=layers,
         gradient_arrival=gradient_arrival,
+        optimizer_by_threads=optimizer_by_threads,
     )
     counts = sorted({int(k) for k in concurrency if 2 <= k <= batch})
     if not counts:
         return profile
     cores = max(threads)
-    return replace(
+    profile = replace(
         profile,
         contention={
             k: measure_contention(profile, work, loss_fn, inputs, targets, k, cores, repeats) for k in counts
         },
     )
-
-
-def replica_counts(per_node: int, most: int = 6) -> list[int]:
-    """Replica counts worth measuring contention at for up to ``per_node`` replicas on a node.
-
-    Every count up to 4, then doubling, always ending at ``per_node``; at most ``most`` counts, so
-    profiling a 64-device node measures 2, 3, 4, 8, 16 and 64 replicas rather than 63 settings.
-    """
-    counts = [k for k in (2, 3, 4) if k <= per_node]
-    k = 8
-    while k < per_node:
-        counts.append(k)
-        k *= 2
-    if per_node >= 2 and per_node not in counts:
-        counts.append(per_node)
-    return counts if len(counts) <= most else [*counts[: most - 1], per_node]
-
-
-def measure_contention(
-    profile: ModelProfile,
-    model: nn.Module,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    inputs: Any,
-    targets: Any,
-    replicas: int,
-    cores: int,
-    repeats: int = 3,
-) -> float:
-    """Slowdown of each of ``replicas`` copies of ``model`` stepping at once on ``batch / replicas``.
-
-    Data-parallel replicas on one CPU node each get ``cores // replicas`` threads and their share
-    of the batch, but they also share the memory bandwidth and caches: on a 2-core VM two replicas of
-    a dense MLP each ran ~1.3-2x slower than one alone with the same threads, far more than their
-    all-reduce. Each replica here is a deep copy driven by its own Python thread (torch releases the
-    GIL inside operators), started together behind a barrier; the factor is the replicas' median step
-    time over what ``profile`` predicts for one alone, after removing time-slicing when ``replicas >
-    cores``. Never below 1.
-    """
-    local = max(1, profile.batch // replicas)
-    per_replica_threads = max(1, cores // replicas)
-    copies = [copy.deepcopy(model) for _ in range(replicas)]
-    x, y = _take(inputs, local), _take(targets, local)
-    barrier = threading.Barrier(replicas)
-    times: list[float] = []  # list.append is atomic: no lock needed
-    errors: list[BaseException] = []
-
-    def run(replica: nn.Module) -> None:
-        params = [p for p in replica.parameters() if p.requires_grad]
-
-        def step() -> None:
-            for p in params:
-                p.grad = None
-            loss_fn(replica(x), y).backward()
-
-        try:
-            step()  # warm-up
-            barrier.wait(timeout=600)
-            seconds = _median_time(step, repeats)
-        except BaseException as exc:  # reported to the caller below, not lost in the thread
-            barrier.abort()
-            errors.append(exc)
-            return
-        times.append(seconds)
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(per_replica_threads)
-    try:
-        workers = [threading.Thread(target=run, args=(c,), daemon=True) for c in copies]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    finally:
-        torch.set_num_threads(previous)
-    if errors:
-        raise errors[0]
-    alone = profile.compute_seconds(local, per_replica_threads)
-    time_slicing = max(1.0, replicas / cores)
-    if alone <= 0:
-        return 1.0
-    return max(1.0, statistics.median(times) / (alone * time_slicing))
+    batch_args = (loss_fn, inputs, targets)
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):  # what a dataset splits
+        in_process = {k: measure_in_process(profile, work, *batch_args, k, cores, repeats) for k in counts}
+        profile = replace(profile, in_process=in_process)
+    if optimizer is None:
+        return profile
+    slowdowns = [
+        measure_optimizer_contention(profile, work, optimizer, *batch_args, k, cores, repeats) for k in counts
+    ]
+    return replace(profile, optimizer_contention=dict(zip(counts, slowdowns, strict=True)))
 
 
 def _arrival_curve(

@@ -1,0 +1,130 @@
+"""Concurrency measurements: replicas slowing each other, optimizer steps at once, thread replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from spread.plan.concurrency import replica_counts
+from spread.plan.workload import ModelProfile, measure_model
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_replica_counts_cover_the_node_without_measuring_every_count():
+    assert replica_counts(1) == []
+    assert replica_counts(2) == [2]
+    assert replica_counts(3) == [2, 3]
+    assert replica_counts(8) == [2, 3, 4, 8]
+    assert replica_counts(64) == [2, 3, 4, 8, 16, 64]
+    assert replica_counts(1000) == [2, 3, 4, 8, 16, 1000]  # at most six, always ending at the node
+
+
+def test_contention_is_measured_for_each_replica_count_and_never_below_one():
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), x, y, threads=(1, 2), concurrency=(2, 3), repeats=2)
+    assert sorted(profile.contention) == [2, 3]
+    assert all(factor >= 1.0 for factor in profile.contention.values())
+    assert profile.contention_factor(1) == 1.0
+    assert profile.contention_factor(3) == profile.contention[3]
+    assert profile.contention_factor(7) == profile.contention[3]  # past the largest: the largest
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_replica_that_fails_while_measuring_contention_raises_in_the_caller():
+    import threading
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():  # only the concurrent replicas
+            raise RuntimeError("replica blew up")
+        return nn.functional.cross_entropy(out, target)
+
+    with pytest.raises(RuntimeError, match="replica blew up"):
+        measure_model(
+            _mlp(),
+            loss,
+            torch.randn(16, 32),
+            torch.randint(0, 10, (16,)),
+            threads=(2,),
+            concurrency=(2,),
+            repeats=1,
+        )
+
+
+def test_optimizer_is_timed_per_thread_count_and_under_concurrency():
+    model = _mlp()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    profile = measure_model(
+        model, nn.CrossEntropyLoss(), x, y, optimizer=optimizer, threads=(1, 2), concurrency=(2, 3), repeats=2
+    )
+    assert sorted(profile.optimizer_by_threads) == [1, 2]
+    assert all(seconds > 0 for seconds in profile.optimizer_by_threads.values())
+    assert profile.optimizer_seconds == profile.optimizer_by_threads[2]  # the most threads, as before
+    assert sorted(profile.optimizer_contention) == [2, 3]
+    assert all(factor >= 1.0 for factor in profile.optimizer_contention.values())
+    assert sorted(profile.in_process) == [2, 3]
+    assert all(factor >= 1.0 for factor in profile.in_process.values())
+    # Neither the model nor the user's optimizer was stepped or given state.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(float(state["step"]) == 0 for state in optimizer.state.values())  # Adagrad's eager state
+
+
+def test_without_an_optimizer_or_with_structured_inputs_those_factors_are_left_out():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _mlp()
+
+        def forward(self, batch: dict) -> torch.Tensor:
+            return self.body(batch["x"])
+
+    inputs = {"x": torch.randn(16, 32)}
+    profile = measure_model(
+        Pair(),
+        nn.CrossEntropyLoss(),
+        inputs,
+        torch.randint(0, 10, (16,)),
+        threads=(1,),
+        concurrency=(2,),
+        repeats=1,
+    )
+    assert sorted(profile.contention) == [2]
+    assert profile.optimizer_contention == {} and profile.in_process == {}  # nothing to measure with
+    assert profile.optimizer_contention_factor(2) == 1.0 and profile.in_process_factor(2) == 1.0
+
+
+def test_factor_lookup_and_optimizer_time_by_hand():
+    profile = ModelProfile(
+        name="toy",
+        param_bytes=1.0,
+        sparse_bytes=0.0,
+        sparse_row_bytes=0.0,
+        sparse_rows_per_sample=0.0,
+        optimizer_bytes=0.0,
+        activation_bytes_per_sample=0.0,
+        compute={1: (0.0, 1e-3)},
+        backward_fraction=0.5,
+        optimizer_seconds=0.2,
+        batch=8,
+        optimizer_by_threads={1: 0.3, 4: 0.1},
+        optimizer_contention={2: 1.5, 4: 2.0},
+        in_process={3: 1.2},
+    )
+    assert profile.optimizer_time() == 0.2  # no thread count: the figure at the most threads
+    assert profile.optimizer_time(1) == 0.3
+    assert profile.optimizer_time(2) == 0.3  # nearest measured count, ties to the fewer threads
+    assert profile.optimizer_time(3) == 0.1
+    assert profile.optimizer_time(16) == 0.1
+    assert profile.optimizer_contention_factor(1) == 1.0
+    assert profile.optimizer_contention_factor(3) == 1.5  # the largest measured count below
+    assert profile.optimizer_contention_factor(64) == 2.0
+    assert profile.in_process_factor(2) == 1.0  # below every measured count
+    assert profile.in_process_factor(3) == 1.2
