@@ -1,7 +1,7 @@
 """Pipeline throughput: spread's PipelineStrategy (S=2) vs one process vs torch.distributed.pipelining.
 
     flock /tmp/spread-bench.lock python benchmarks/pipeline_speed.py [--workloads mlp,w2]
-        [--microbatches 4] [--reps 5] [--steps 3] [--quick]
+        [--microbatches 4] [--reps 5] [--steps 3] [--bind spread|both|none] [--quick]
 
 Workloads (``benchmarks/block_workloads.py`` for W2, so both pipelines split the same
 ``nn.Sequential``):
@@ -18,6 +18,11 @@ pipeline stage (2 stages = the 2 cores):
 * ``torch.distributed.pipelining`` ``ScheduleGPipe`` and ``Schedule1F1B`` on the same model, split
   (a) by layer count (half the ``nn.Sequential`` entries per stage, the split a user writes by hand)
   and (b) at spread's balanced split (same work per stage: isolates the runtimes).
+
+CPU binding (``--bind``): spread binds each stage process to its own CPU by default
+(``PipelineStrategy(bind_cpus=True)``, see ``spread.pipeline.affinity``); torch does not. ``spread``
+(default) measures both as they come; ``both`` also binds torch's stage processes the same way (to
+see how much of the difference is the binding); ``none`` turns spread's binding off.
 
 Each configuration: 2 warm-up steps, then ``reps`` timed repetitions of ``steps`` steps (barrier
 before and after); the median repetition is reported with the spread (min..max) and the ratio to
@@ -92,11 +97,11 @@ def one_process(name: str, threads: int, quick: bool, steps: int, reps: int) -> 
     return _timed(step, steps, reps)
 
 
-def spread_worker(name: str, schedule: str, m: int, quick: bool, steps: int, reps: int) -> dict:
+def spread_worker(name: str, schedule: str, m: int, quick: bool, steps: int, reps: int, bind: bool) -> dict:
     torch.set_num_threads(1)
     import spread
 
-    strategy = spread.PipelineStrategy(stages=2, microbatches=m, schedule=schedule)
+    strategy = spread.PipelineStrategy(stages=2, microbatches=m, schedule=schedule, bind_cpus=bind)
     try:
         model, loss_fn, make_opt, x, y, _, _ = make_workload(name, quick)
         strategy.prepare_model(model)
@@ -108,20 +113,27 @@ def spread_worker(name: str, schedule: str, m: int, quick: bool, steps: int, rep
             optimizer.step()
 
         times = _timed(step, steps, reps, strategy.world.barrier)
-        return {"times": times, "bounds": strategy.stage_bounds}
+        binding = strategy.cpu_binding
+        return {"times": times, "bounds": strategy.stage_bounds, "cpus": binding.cpus if binding else None}
     finally:
         strategy.close()
 
 
-def torch_worker(name: str, schedule: str, m: int, split: int, quick: bool, steps: int, reps: int) -> dict:
+def torch_worker(
+    name: str, schedule: str, m: int, split: int, quick: bool, steps: int, reps: int, bind: bool
+) -> dict:
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from spread.cluster import resolve_cluster
     from spread.cluster.rendezvous import rendezvous
+    from spread.pipeline.affinity import bind_local_cpus
 
-    rdv = rendezvous(resolve_cluster())
+    cluster = resolve_cluster()
+    if bind:  # the same binding spread's stages get, before the transport threads start
+        bind_local_cpus(cluster.local_rank, cluster.local_world_size)
+    rdv = rendezvous(cluster)
     try:
         rank = dist.get_rank()
         model, loss_fn, make_opt, x, y, _, _ = make_workload(name, quick)
@@ -162,12 +174,17 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--bind", choices=("spread", "both", "none"), default="spread", help="which stages bind CPUs"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke test, not a measurement")
     args = parser.parse_args()
     print(
         f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, M={args.microbatches}, steps={args.steps}, reps={args.reps}"
+        f"torch {torch.__version__}, M={args.microbatches}, steps={args.steps}, reps={args.reps}, "
+        f"bind={args.bind}"
     )
+    spread_bind, bind_t = args.bind != "none", args.bind == "both"
     common = dict(timeout=900, init_timeout=120, collective_timeout=300)
     for name in args.workloads.split(","):
         model, _, _, x, _, per_sample, unit = make_workload(name, args.quick)
@@ -186,12 +203,16 @@ def main() -> None:
             out = run_ranks(
                 spread_worker,
                 2,
-                args=(name, schedule, args.microbatches, args.quick, args.steps, args.reps),
+                args=(name, schedule, args.microbatches, args.quick, args.steps, args.reps, spread_bind),
                 **common,
             )
             balanced = out[0]["bounds"]
+            bound = "bound" if out[0]["cpus"] is not None else "unbound"
             rows.append(
-                (f"spread PipelineStrategy {schedule}, {_split(balanced[0][1], model)}", out[0]["times"])
+                (
+                    f"spread PipelineStrategy {schedule}, {_split(balanced[0][1], model)}, {bound}",
+                    out[0]["times"],
+                )
             )
         by_count = len(model) // 2
         for schedule, label in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
@@ -199,14 +220,28 @@ def main() -> None:
                 out = run_ranks(
                     torch_worker,
                     2,
-                    args=(name, schedule, args.microbatches, split, args.quick, args.steps, args.reps),
+                    args=(
+                        name,
+                        schedule,
+                        args.microbatches,
+                        split,
+                        args.quick,
+                        args.steps,
+                        args.reps,
+                        bind_t,
+                    ),
                     **common,
                 )
+                bound = ", bound" if bind_t else ""
                 rows.append(
-                    (f"torch.distributed.pipelining {label}, {_split(split, model)} ({how})", out[0]["times"])
+                    (
+                        f"torch.distributed.pipelining {label}, {_split(split, model)} ({how}){bound}",
+                        out[0]["times"],
+                    )
                 )
         reference = dict(rows)[
             f"torch.distributed.pipelining ScheduleGPipe, {_split(by_count, model)} (layer count)"
+            + (", bound" if bind_t else "")
         ]
         ref_rate = summarise(reference, samples)[0]
         print(f"\n## {name}: {unit}, median (min..max) of {args.reps} reps")

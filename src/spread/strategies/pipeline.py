@@ -61,6 +61,7 @@ from spread.pipeline import (
     make_schedule,
     partition,
 )
+from spread.pipeline.affinity import CpuBinding, bind_local_cpus
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
 from spread.strategies.base import Strategy, check_reduce_op, one_replica_tensor
@@ -101,6 +102,10 @@ class PipelineStrategy(Strategy):
             micro-batch; parameter count when none is available) or ``"params"``.
         checkpoint_stages: recompute each stage's activations in backward (keeps only stage inputs;
             see :func:`spread.memory.checkpoint_stage`).
+        bind_cpus: on CPU, bind each stage process to its own share of the node's CPUs (and cap its
+            intra-op threads to it), so neighbouring stages are not woken onto one CPU at every
+            hand-off (:mod:`spread.pipeline.affinity`); skipped where the process's CPUs are already
+            narrowed or there are fewer CPUs than local processes. Undone by :meth:`close`.
         cluster, init_timeout, collective_timeout, bucket_cap_mb: as for MultiWorkerMirroredStrategy.
     """
 
@@ -114,6 +119,7 @@ class PipelineStrategy(Strategy):
         *,
         balance_by: str = "time",
         checkpoint_stages: bool = False,
+        bind_cpus: bool = True,
         cluster: ClusterSpec | None = None,
         init_timeout: float | None = None,
         collective_timeout: float | None = None,
@@ -136,9 +142,20 @@ class PipelineStrategy(Strategy):
                 f"`spread run -n {stages * replicas}` (or change stages/replicas)"
             )
         self._device = local_device(self.cluster)
-        self._rendezvous: Rendezvous | None = join_process_group(
-            self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
+        # Before joining: the transport and heartbeat threads started below inherit the binding.
+        self.cpu_binding: CpuBinding | None = (
+            bind_local_cpus(self.cluster.local_rank, self.cluster.local_world_size)
+            if bind_cpus and self._device.type == "cpu"
+            else None
         )
+        try:
+            self._rendezvous: Rendezvous | None = join_process_group(
+                self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
+            )
+        except BaseException:
+            if self.cpu_binding is not None:
+                self.cpu_binding.restore()
+            raise
         self.rank = dist.get_rank()
         self.stage, self.replica = self.rank % stages, self.rank // stages
         self.world = Collectives(device=self._device)
@@ -535,6 +552,8 @@ class PipelineStrategy(Strategy):
         if self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None
+        if self.cpu_binding is not None:
+            self.cpu_binding.restore()
         super().close()
 
     def __repr__(self) -> str:
