@@ -74,3 +74,21 @@ def test_optimizers_whose_defaults_hold_extra_keys_are_copied():
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
     profile = measure_model(model, nn.CrossEntropyLoss(), x, y, optimizer=optimizer, repeats=1)
     assert profile.optimizer_bytes >= 2 * profile.param_bytes
+
+
+class _MeanPool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def test_block_time_shares_count_backward_where_an_embedding_spends_it():
+    # Forward, the embedding is a gather of 8 rows per sample; backward, it builds a dense gradient of
+    # the whole 32 MB table. A pipeline cut placed by forward time alone would be far off.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(500_000, 16), _MeanPool(), nn.Linear(16, 2))
+    ids, y = torch.randint(0, 500_000, (32, 8)), torch.randint(0, 2, (32,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), ids, y, repeats=1)
+    shares = {layer.name: layer.time_share for layer in profile.layers}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["0"] > 0.8, shares
+    assert all(p.grad is None for p in model.parameters())  # the user's model untouched
