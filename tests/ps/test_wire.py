@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spread.errors import WireFormatError
-from spread.ps.wire import MAGIC, decode, encode
+from spread.ps.wire import MAGIC, decode, decode_parts, encode, encode_parts
 
 
 def _frame(entries: list, payload: bytes = b"", meta: dict | None = None) -> bytes:
@@ -66,3 +66,54 @@ def test_ten_gib_claim_allocates_nothing():
         decode(frame)
     with pytest.raises(WireFormatError, match="but 16 follow"):
         decode(frame, max_tensor_bytes=1 << 40)
+
+
+def _received(tensors: dict, *, make=bytearray) -> list[memoryview]:
+    """The parts of a frame as a transport hands them over (each in its own buffer)."""
+    return [memoryview(make(bytes(p))) for p in encode_parts({"op": "push"}, tensors)]
+
+
+def test_decode_parts_views_each_received_part_without_a_copy():
+    a, rows = torch.randn(100, 4), torch.arange(7, dtype=torch.int64)
+    parts = _received({"a": a, "rows": rows, "empty": torch.empty(0, 3)})
+    meta, tensors = decode_parts(parts)
+    assert meta == {"op": "push"}
+    assert torch.equal(tensors["a"], a) and torch.equal(tensors["rows"], rows)
+    assert tensors["empty"].shape == (0, 3)
+    address = torch.frombuffer(parts[1], dtype=torch.uint8).data_ptr()
+    assert tensors["a"].data_ptr() == address  # a view of the received bytes, not a copy
+
+
+def test_decode_parts_copies_read_only_or_misaligned_parts():
+    a = torch.randn(9)
+    _, tensors = decode_parts(_received({"a": a}, make=bytes))  # read-only: copied
+    assert torch.equal(tensors["a"], a)
+    header, body = encode_parts({}, {"a": a})
+    shifted = memoryview(bytearray(1 + len(bytes(body))))[1:]  # starts 1 byte past an aligned address
+    shifted[:] = bytes(body)
+    _, tensors = decode_parts([memoryview(bytearray(header)), shifted])
+    assert torch.equal(tensors["a"], a)
+    assert tensors["a"].data_ptr() != torch.frombuffer(shifted, dtype=torch.uint8).data_ptr()
+
+
+def test_decode_parts_leaves_other_layouts_to_decode():
+    frame = encode({}, {"a": torch.randn(4), "b": torch.randn(2)})
+    assert decode_parts([memoryview(bytearray(frame))]) is None  # one part for everything
+    parts = _received({"a": torch.randn(4), "b": torch.randn(2)})
+    assert decode_parts([parts[0], memoryview(bytearray(bytes(parts[1]) + bytes(parts[2])))]) is None
+    assert decode_parts([memoryview(bytearray(frame[:5])), memoryview(bytearray(frame[5:]))]) is None
+
+
+@pytest.mark.parametrize(
+    ("frame", "problem"),
+    [
+        (_frame([{"name": "x", "dtype": 99, "shape": [2]}]), "unknown dtype code"),
+        (_frame([{"name": "x", "dtype": 1, "shape": [3]}]), "declare 12 bytes but 8"),
+        (_frame([{"name": "x", "dtype": 1, "shape": [1 << 30, 10]}]), "over the limit"),
+        (b"XXXX" + b"\0" * 8, "bad magic"),
+        (_frame([{"name": "x", "dtype": 1, "shape": [1]}] * 2), "duplicate"),
+    ],
+)
+def test_decode_parts_refuses_malformed_frames(frame, problem):
+    with pytest.raises(WireFormatError, match=problem):
+        decode_parts([memoryview(bytearray(frame)), memoryview(bytearray(8))])

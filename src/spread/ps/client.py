@@ -171,11 +171,13 @@ class PSClient:
         calls = {}
         for i, positions in groups:
             shard = shards[i]
-            local = ids[positions] - shard.row_start
+            local = ids if len(shards) == 1 else ids[positions] - shard.row_start
             calls[shard.server] = lambda c, key=shard.key, local=local: c.call(
                 "pull", {"names": [key]}, {f"{key}:rows": local}
             )
         answers = self._each(calls) if calls else {}
+        if len(shards) == 1 and groups:
+            return answers[shards[0].server][1][shards[0].key]  # every row, in order: no copy
         out = None
         for i, positions in groups:
             values = answers[shards[i].server][1][shards[i].key]
@@ -225,8 +227,12 @@ class PSClient:
             for i, positions in self.split_rows(placement, name, ids):
                 shard = shards[i]
                 metas[shard.server]["sparse"].append(shard.key)
+                if len(shards) == 1:  # every row to one server: no gather (row_start is 0)
+                    tensors[shard.server][f"{shard.key}:rows"] = ids
+                    tensors[shard.server][f"{shard.key}:values"] = values
+                    continue
                 tensors[shard.server][f"{shard.key}:rows"] = ids[positions] - shard.row_start
-                tensors[shard.server][f"{shard.key}:values"] = values[positions]
+                tensors[shard.server][f"{shard.key}:values"] = values.index_select(0, positions)
         for name in pull:
             for shard in placement.shards[name]:
                 metas[shard.server]["pull"].append(shard.key)

@@ -103,13 +103,15 @@ class ServerOptimizer:
             if key not in state:
                 fill = float(self.spec.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
                 state[key] = torch.full_like(param, fill)
-        sub = {key: state[key][rows] for key in self._buffer_names()}
+        # index_select/index_copy_ rather than ``param[rows]``: the same values, several times faster
+        # on a CPU (the gather and the scatter were most of a sparse push's cost on the server).
+        sub = {key: state[key].index_select(0, rows) for key in self._buffer_names()}
         sub["step"] = state.get("step", 0)
-        values = param[rows]
+        values = param.index_select(0, rows)
         getattr(self, f"_{self.kind}")(values, grad, sub, hyper)
-        param[rows] = values
+        param.index_copy_(0, rows, values)
         for key in self._buffer_names():
-            state[key][rows] = sub[key]
+            state[key].index_copy_(0, rows, sub[key])
         state["step"] = sub["step"]
 
     def _buffer_names(self) -> tuple[str, ...]:

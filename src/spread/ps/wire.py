@@ -103,22 +103,18 @@ def _check_entry(entry: object, index: int, max_tensor_bytes: int) -> tuple[str,
     return name, dtype, shape, nbytes
 
 
-def decode(
-    frame: bytes | bytearray, *, max_tensor_bytes: int = DEFAULT_MAX_FRAME_BYTES
-) -> tuple[dict[str, Any], Tensors]:
-    """Parse a frame into ``(meta, tensors)``; raise :class:`WireFormatError` on anything malformed.
-
-    Validation happens before any tensor is allocated: the magic, the header length, the JSON, each
-    dtype code and shape, each declared size against ``max_tensor_bytes``, and the sum of declared
-    sizes against the bytes that actually follow the header (they must match exactly).
-    """
+def _parse_header(
+    frame: bytes | bytearray | memoryview, frame_len: int, max_tensor_bytes: int
+) -> tuple[dict[str, Any], list[tuple[str, torch.dtype, list[int], int]], int]:
+    """``(header, checked tensor entries, offset of the first tensor byte)`` of a frame of
+    ``frame_len`` bytes whose first bytes are ``frame``."""
     if len(frame) < _PREFIX.size:
-        raise _fail(f"{len(frame)} bytes is shorter than the frame prefix")
+        raise _fail(f"{frame_len} bytes is shorter than the frame prefix")
     magic, header_len = _PREFIX.unpack_from(frame, 0)
     if magic != MAGIC:
         raise _fail(f"bad magic {magic!r} (expected {MAGIC!r})")
-    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(frame):
-        raise _fail(f"header length {header_len} does not fit the {len(frame)}-byte frame")
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > min(len(frame), frame_len):
+        raise _fail(f"header length {header_len} does not fit the {frame_len}-byte frame")
     try:
         header = json.loads(bytes(frame[_PREFIX.size : _PREFIX.size + header_len]))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -131,10 +127,55 @@ def decode(
     checked = [_check_entry(e, i, max_tensor_bytes) for i, e in enumerate(entries)]
     offset = _PREFIX.size + header_len
     declared = sum(nbytes for *_, nbytes in checked)
-    if declared != len(frame) - offset:
-        raise _fail(f"tensors declare {declared} bytes but {len(frame) - offset} follow the header")
+    if declared != frame_len - offset:
+        raise _fail(f"tensors declare {declared} bytes but {frame_len - offset} follow the header")
     if len({name for name, *_ in checked}) != len(checked):
         raise _fail("duplicate tensor names")
+    return header, checked, offset
+
+
+def decode_parts(
+    parts: list[memoryview], *, max_tensor_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> tuple[dict[str, Any], Tensors] | None:
+    """As :func:`decode`, for a frame that arrived as :func:`encode_parts` sent it (prefix and header
+    in the first part, then exactly one part per tensor): each tensor views its part's memory (no
+    copy) when the part is writable and aligned for its dtype, else is copied. Returns None when the
+    parts are not laid out so (the caller joins them and calls :func:`decode`); raises
+    :class:`WireFormatError` on a malformed frame, validated as :func:`decode` does."""
+    if not parts or parts[0].nbytes < _PREFIX.size:
+        return None
+    if _PREFIX.size + _PREFIX.unpack_from(parts[0], 0)[1] > parts[0].nbytes:
+        return None  # the header does not end with the first part
+    total = sum(p.nbytes for p in parts)
+    header, checked, offset = _parse_header(parts[0], total, max_tensor_bytes)
+    if offset != parts[0].nbytes or len(parts) != len(checked) + 1:
+        return None
+    if any(part.nbytes != nbytes for part, (*_, nbytes) in zip(parts[1:], checked, strict=True)):
+        return None
+    tensors: Tensors = {}
+    for part, (name, dtype, shape, nbytes) in zip(parts[1:], checked, strict=True):
+        flat = np.frombuffer(part, dtype=np.uint8) if nbytes else None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if flat is not None and not part.readonly and flat.ctypes.data % max(itemsize, 1) == 0:
+            out = torch.frombuffer(part, dtype=torch.uint8).view(dtype).reshape(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+            if flat is not None:
+                out.reshape(-1).view(torch.uint8).numpy()[:] = flat
+        tensors[name] = out
+    return header["meta"], tensors
+
+
+def decode(
+    frame: bytes | bytearray, *, max_tensor_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> tuple[dict[str, Any], Tensors]:
+    """Parse a frame into ``(meta, tensors)``; raise :class:`WireFormatError` on anything malformed.
+
+    Validation happens before any tensor is allocated: the magic, the header length, the JSON, each
+    dtype code and shape, each declared size against ``max_tensor_bytes``, and the sum of declared
+    sizes against the bytes that actually follow the header (they must match exactly).
+    """
+    header, checked, offset = _parse_header(frame, len(frame), max_tensor_bytes)
     tensors: Tensors = {}
     # A writable frame (a bytearray the transport received into) is used in place: no copy.
     writable = isinstance(frame, bytearray)

@@ -57,7 +57,7 @@ from spread.ps.rpc_api import (
     split_address,
     token_proof,
 )
-from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, encode_parts
+from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, decode_parts, encode_parts
 
 _PROOF_LABEL = b"zmq-message"
 CALL, STREAM, CANCEL = b"C", b"S", b"X"
@@ -77,6 +77,17 @@ def _endpoint(host: str, port: int | str) -> str:
 
 def _message_proof(token: str) -> bytes:
     return token_proof(token, _PROOF_LABEL)
+
+
+def _decode_body(parts: list[zmq.Frame] | list[bytes], max_tensor_bytes: int) -> tuple[Message, int]:
+    """``(message, bytes)`` of a received frame: its tensors view the received parts (no copy)
+    when they came as :func:`spread.ps.wire.encode_parts` sent them, else are decoded from a join."""
+    views = [p.buffer if isinstance(p, zmq.Frame) else memoryview(p) for p in parts]
+    size = sum(v.nbytes for v in views)
+    message = decode_parts(views, max_tensor_bytes=max_tensor_bytes)
+    if message is None:
+        message = decode(_join(parts), max_tensor_bytes=max_tensor_bytes)
+    return message, size
 
 
 def _join(parts: list[zmq.Frame] | list[bytes]) -> bytearray:
@@ -323,7 +334,7 @@ class RpcServer:
 
     def _decode(self, identity: bytes, rid: bytes, body: list[zmq.Frame]) -> Message | None:
         try:
-            return decode(_join(body), max_tensor_bytes=self._max_frame_bytes)
+            return _decode_body(body, self._max_frame_bytes)[0]
         except WireFormatError as exc:
             self._answer(identity, rid, INVALID, f"{self.name}: {exc}")
             return None
@@ -536,9 +547,9 @@ class RpcClient:
         raise self._error_type(self.peer, op, text)
 
     def _decode(self, body: list[zmq.Frame]) -> Message:
-        frame = _join(body)
-        self._count(0, len(frame))
-        return decode(frame, max_tensor_bytes=self._max_frame_bytes)
+        message, size = _decode_body(body, self._max_frame_bytes)
+        self._count(0, size)
+        return message
 
     def call(
         self,

@@ -274,7 +274,8 @@ class ParameterServerStrategy(Strategy):
                 if grad is None:
                     continue
                 ids, values = _row_gradient(grad, touched)
-                sparse[name] = (ids, values.detach().to("cpu") * scale)
+                values = values.detach().to("cpu")
+                sparse[name] = (ids, values * scale if scale != 1.0 else values)
             elif grad is not None:
                 dense[name] = grad.detach().to("cpu") * scale if scale != 1.0 else grad.detach()
         step_id = self.task_step_id or f"w{self.rank}.{self._session}.{self.local_step}"
@@ -537,4 +538,4 @@ def _row_gradient(grad: torch.Tensor, touched: list[torch.Tensor]) -> tuple[torc
         g = grad.coalesce()
         return g.indices()[0].to("cpu"), g.values()
     ids = torch.unique(torch.cat(touched)) if touched else grad.new_zeros(0, dtype=torch.int64)
-    return ids, grad[ids.to(grad.device)]
+    return ids, grad.index_select(0, ids.to(grad.device))
