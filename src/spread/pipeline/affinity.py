@@ -1,17 +1,20 @@
 """Bind each pipeline stage process on a node to its own CPUs (Linux; CPU pipelines).
 
 Why: stages hand work to each other. When a stage sends to a neighbour that is blocked waiting for
-it, Linux wakes the neighbour's threads on the *sender's* CPU (a synchronous wake-up pulls the wakee
-to the waker), so for a few milliseconds both stages share one CPU while the other sits idle, until
-the load balancer separates them. Measured on a 2-core VM with two stages of a deep MLP: a 256 KB
-``isend`` to a waiting peer took 2.4-4.3 ms unbound and 0.26 ms bound, and a training step took
-~25% less time bound (see docs/architecture.md). Binding keeps every stage on its own cores.
+it, Linux tends to wake the neighbour's threads on the *sender's* CPU (a synchronous wake-up pulls
+the wakee towards the waker), so for a few milliseconds both stages share one CPU while the other
+sits idle, until the load balancer separates them (our reading of the measurements below).
+Measured on a 2-core VM with two stages of a deep MLP: a 256 KB ``isend`` to a waiting peer took
+2.4-4.3 ms unbound and 0.26 ms bound, and 1F1B steps took less time bound (docs/architecture.md).
+Binding keeps every stage on its own cores.
 
 :func:`bind_local_cpus` splits the CPUs this process may use into ``local_world_size`` equal
 contiguous parts and binds every thread of the process (the gloo transport thread, the heartbeat,
 intra-op threads) to part ``local_rank``; threads created later inherit it. It does nothing where a
 launcher or the user already narrowed the process's CPUs (its mask is smaller than the CPUs the
-node's cgroup allows), where there are fewer CPUs than local processes, or off Linux.
+node's cgroup allows), where there are fewer CPUs than local processes, or off Linux. The cost:
+a bound stage cannot move away from a CPU that other busy jobs load, so on a shared, oversubscribed
+machine binding can lose (``PipelineStrategy(bind_cpus=False)``).
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ class PipelineStrategy(Strategy):
         bind_cpus: on CPU, bind each stage process to its own share of the node's CPUs (and cap its
             intra-op threads to it), so neighbouring stages are not woken onto one CPU at every
             hand-off (:mod:`spread.pipeline.affinity`); skipped where the process's CPUs are already
-            narrowed or there are fewer CPUs than local processes. Undone by :meth:`close`.
+            narrowed or there are fewer CPUs than local processes. Undone by :meth:`close`. Pass
+            False on a machine shared with other busy jobs (a bound stage cannot leave a loaded CPU).
         cluster, init_timeout, collective_timeout, bucket_cap_mb: as for MultiWorkerMirroredStrategy.
     """
 
