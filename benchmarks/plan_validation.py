@@ -195,11 +195,12 @@ def _profile_workload(name: str, procs: list[int]) -> ModelProfile:
     )
 
 
-def _replay(paths: list[str], reprofile: bool = False) -> None:
+def _replay(paths: list[str], reprofile: bool = False, save: str | None = None) -> None:
     """Predict every measured row of ``paths`` again with the current cost model.
 
     ``reprofile``: profile the workloads again here first (to try a change to what the profile
-    measures); otherwise the saved profiles are used.
+    measures); otherwise the saved profiles are used. ``save``: write the rows, with the profiles
+    used and the new predictions, to this JSON file (replayable in turn).
     """
     rows: list[dict] = []
     for path in paths:
@@ -211,6 +212,7 @@ def _replay(paths: list[str], reprofile: bool = False) -> None:
                 procs = [r["procs"] for r in data["rows"] if r["workload"] == name]
                 profiles[name] = _profile_workload(name, procs)
                 print(f"{name}: {_factors(profiles[name])}", file=sys.stderr)
+        first = len(rows)
         for row in data["rows"]:
             candidate = _candidate(row)
             cluster = ClusterModel.from_profile(calibration, devices_per_node=row["procs"])
@@ -225,6 +227,9 @@ def _replay(paths: list[str], reprofile: bool = False) -> None:
                     "error": None if measured is None else prediction.step_seconds * 1e3 / measured - 1,
                 }
             )
+        if save:
+            mine = {"rows": rows[first:], "profiles": {n: asdict(p) for n, p in profiles.items()}}
+            Path(save).write_text(json.dumps({**mine, "calibration": data["calibration"]}, indent=1))
     _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))
 
 
@@ -241,7 +246,9 @@ def main() -> None:
     parser.add_argument("--reprofile", action="store_true", help="with --replay: profile the models again")
     args = parser.parse_args()
     if args.replay:
-        _replay(args.replay, reprofile=args.reprofile)
+        if args.json and len(args.replay) > 1:
+            parser.error("--json with --replay takes one file to replay")
+        _replay(args.replay, reprofile=args.reprofile, save=args.json)
         return
     if not os.path.exists(args.profile):
         print(f"calibrating into {args.profile} ...", file=sys.stderr)

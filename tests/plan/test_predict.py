@@ -153,6 +153,34 @@ def test_pipeline_by_hand():
     assert p.memory.activations == pytest.approx(2 * 25 * 2000)
 
 
+def test_an_unbalanced_pipeline_keeps_fewer_cores_busy_than_it_has_processes():
+    # Blocks of 70% / 10% / 10% / 10% of the time: stages [0] and [1, 2, 3] (70% and 30%). Two
+    # replicas of two stages are 4 processes on 2 cores (1 thread each), but while a 70% stage
+    # computes its 30% partner computes 3/7 of the time: 2 x (1 + 3/7) = 2.86 processes busy, so
+    # time-slicing slows the stages by 2.86 / 2 = 1.43x, not 4 / 2 = 2x.
+    layers = tuple(
+        LayerProfile(
+            name=str(i),
+            time_share=share,
+            param_bytes=2.5 * MB,
+            activation_bytes_per_sample=1000.0,
+            output_bytes_per_sample=0.0,
+        )
+        for i, share in enumerate((0.7, 0.1, 0.1, 0.1))
+    )
+    p = _profile(layers=layers, optimizer_by_threads={1: 0.02, 2: 0.01}, optimizer_contention={2: 1.5})
+    c = Candidate("pipeline", 4, (("stages", 2), ("microbatches", 2), ("schedule", "1f1b")))
+    no_link = _cluster(devices_per_node=4, intra={**DEFAULT_INTRA, "native": Link(0.0, 1e30)})
+    got = predict(c, p, no_link, Options(global_batch=100))
+    busy = 2 * (1 + 0.3 / 0.7)
+    slot = busy / 2 * 25e-3 * 0.7  # 25 samples per micro-batch on 1 thread, the 70% stage
+    assert got.parts["compute"] == pytest.approx(2 * slot)
+    # The update of the stage with the most parameters (three blocks: 75%) ends the step; its 2
+    # replicas update together (1.5x), on 1 thread each, time-sliced by the same busy count.
+    update = busy / 2 * 1.5 * 0.02 * 0.75
+    assert got.step_seconds == pytest.approx(3 * slot + update)
+
+
 def test_parameter_server_moves_only_touched_rows():
     sparse = _profile(
         param_bytes=400 * MB + 1 * MB,

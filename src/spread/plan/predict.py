@@ -107,6 +107,7 @@ def _compute(
     *,
     concurrent: int = 1,
     in_process: bool = False,
+    busy: float | None = None,
 ) -> float:
     """Forward+backward of ``batch`` samples as ``k`` accumulation micro-steps on one device.
 
@@ -114,12 +115,13 @@ def _compute(
     threads, more processes than cores run time-sliced (slower by ``processes / cores``), and
     ``concurrent`` replicas computing at the same time also slow each other through the shared
     memory system, by the model's measured :meth:`~ModelProfile.contention_factor` (and, for
-    ``in_process`` thread replicas, :meth:`~ModelProfile.in_process_factor` on top).
+    ``in_process`` thread replicas, :meth:`~ModelProfile.in_process_factor` on top). ``busy``: how
+    many of the processes compute at once when fewer than all do (pipeline stages that mostly wait).
     """
     threads, crowding = None, 1.0
     if cluster.cores_per_node is not None:
         threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
-        crowding = max(1.0, processes_per_node / cluster.cores_per_node)
+        crowding = max(1.0, (processes_per_node if busy is None else busy) / cluster.cores_per_node)
         crowding *= profile.contention_factor(concurrent)
         if in_process:
             crowding *= profile.in_process_factor(concurrent)
@@ -127,19 +129,23 @@ def _compute(
 
 
 def _optimizer(
-    profile: ModelProfile, cluster: ClusterModel, processes_per_node: int, concurrent: int
+    profile: ModelProfile,
+    cluster: ClusterModel,
+    processes_per_node: int,
+    concurrent: int,
+    busy: float | None = None,
 ) -> float:
     """One optimizer step in each of ``processes_per_node`` processes, ``concurrent`` of them at once.
 
     The update is compute too: on CPU nodes it runs at the process's share of the cores, time-sliced
     past one process per core, and slowed by the others' updates through the shared memory system
     (:meth:`~ModelProfile.optimizer_contention_factor`); a memory-bound update of a large table is
-    where data parallelism on one CPU node loses most.
+    where data parallelism on one CPU node loses most. ``busy`` as for :func:`_compute`.
     """
     if cluster.cores_per_node is None:
         return profile.optimizer_seconds / cluster.compute_scale
     threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
-    crowding = max(1.0, processes_per_node / cluster.cores_per_node)
+    crowding = max(1.0, (processes_per_node if busy is None else busy) / cluster.cores_per_node)
     crowding *= profile.optimizer_contention_factor(concurrent)
     return crowding * profile.optimizer_time(threads) / cluster.compute_scale
 
@@ -315,15 +321,22 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     replicas = c.devices // stages
     groups = balanced_stage_shares([la.time_share for la in p.layers], stages)
     per_replica = o.global_batch / replicas
-    share = max(sum(p.layers[i].time_share for i in g) for g in groups)
-    stage_compute = _compute(p, cl, per_replica / micro, min(c.devices, cl.devices_per_node), 1) * share
+    shares = [sum(p.layers[i].time_share for i in g) for g in groups]
+    share = max(shares)
+    # While the slowest stage computes, a faster one computes only share_s / share of the time: an
+    # unbalanced pipeline keeps fewer cores busy than it has processes (W3's embedding stage does
+    # ~95% of the work; its MLP stage mostly waits).
+    on_node = min(c.devices, cl.devices_per_node)
+    busy = on_node / stages * sum(s / share for s in shares) if share > 0 else float(on_node)
+    stage_compute = _compute(p, cl, per_replica / micro, on_node, 1, busy=busy) * share
     boundary = max((p.layers[g[-1]].output_bytes_per_sample for g in groups[:-1]), default=0.0)
     link = cl.link("native")
     step = pipeline_step_time(stage_compute, stages, micro, boundary * per_replica / micro, link)
     step *= o.accumulation_steps
     stage_params = max(sum(p.layers[i].param_bytes for i in g) for g in groups)
     grad_sync = allreduce_time("native", stage_params, replicas, link)
-    opt = _optimizer(p, cl, min(c.devices, cl.devices_per_node), 1) * stage_params / max(p.param_bytes, 1.0)
+    stage_replicas = max(1, on_node // stages)  # a stage's replicas on a node update at the same moment
+    opt = _optimizer(p, cl, on_node, stage_replicas, busy=busy) * stage_params / max(p.param_bytes, 1.0)
     step += grad_sync + opt
     if o.checkpointing:
         acts = max(
