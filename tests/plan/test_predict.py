@@ -194,6 +194,22 @@ def test_parameter_server_moves_only_touched_rows():
     assert "1.26 MB pulled and pushed" in p.note
 
 
+def test_a_parameter_server_that_mostly_waits_does_not_time_slice_the_workers():
+    # Chief + worker + server on a 2-core node (1 thread each, 50 samples per worker step = 50 ms
+    # alone). A server of touched rows (1 KB per step) is busy ~0% of the time: 2 busy processes on
+    # 2 cores, no time-slicing. A server applying 10 MB of dense weights per worker step at 0.1 GB/s
+    # (100 ms) is busy all the time: 3 busy processes on 2 cores, 1.5x.
+    c = Candidate("parameter_server", 3, (("servers", 1),))
+    rows = _profile(
+        param_bytes=400 * MB, sparse_bytes=400 * MB, sparse_row_bytes=100.0, sparse_rows_per_sample=0.2
+    )
+    idle_server = predict(c, rows, _cluster(devices_per_node=3), Options(global_batch=100))
+    assert idle_server.parts["compute"] == pytest.approx(0.05, rel=1e-3)
+    dense = _cluster(devices_per_node=3, server_apply_bytes_per_s=1e8)
+    busy_server = predict(c, _profile(), dense, Options(global_batch=100))
+    assert busy_server.parts["compute"] == pytest.approx(1.5 * 0.05)
+
+
 def test_candidates_respect_the_cluster():
     one_node = {c.label for c in candidates(_profile(), _cluster(), Options(global_batch=64))}
     assert "multi_worker_mirrored[shm]" in one_node and "mirrored" in one_node

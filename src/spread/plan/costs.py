@@ -162,6 +162,15 @@ def pipeline_step_time(
     return (microbatches + stages - 1) * slot + 2.0 * (stages - 1) * hop
 
 
+def server_seconds_per_step(
+    bytes_per_step: float, servers: int, link: Link, server_apply_bytes_per_s: float
+) -> float:
+    """Seconds each of ``servers`` spends on one worker step: its share of the pull, push and apply."""
+    return 2.0 * bytes_per_step / (servers * link.beta) + bytes_per_step / (
+        servers * server_apply_bytes_per_s
+    )
+
+
 def parameter_server_rate(
     *,
     worker_compute_s: float,
@@ -185,9 +194,7 @@ def parameter_server_rate(
         raise ValueError(f"need at least one worker and one server, got {workers} and {servers}")
     transfer = 2.0 * (servers * link.alpha + bytes_per_step / link.beta)
     worker_step = worker_compute_s + transfer
-    server_busy = 2.0 * bytes_per_step / (servers * link.beta) + bytes_per_step / (
-        servers * server_apply_bytes_per_s
-    )
+    server_busy = server_seconds_per_step(bytes_per_step, servers, link, server_apply_bytes_per_s)
     if synchronous:
         step = worker_compute_s + 2.0 * servers * link.alpha + workers * server_busy
         return step, workers * batch_per_worker / step

@@ -27,6 +27,7 @@ from spread.plan.costs import (
     parameter_server_rate,
     pipeline_memory,
     pipeline_step_time,
+    server_seconds_per_step,
 )
 from spread.plan.workload import ModelProfile
 
@@ -249,7 +250,6 @@ def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Option
     servers = c.get("servers", 1)
     workers = c.devices - servers
     per_worker = o.global_batch / workers
-    compute = _compute(p, cl, per_worker, min(c.devices, cl.devices_per_node), o.accumulation_steps)
     rows = (
         min(p.sparse_rows_per_sample * per_worker, p.sparse_bytes / p.sparse_row_bytes)
         if p.sparse_bytes
@@ -257,6 +257,15 @@ def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Option
     )
     moved = p.dense_bytes + rows * p.sparse_row_bytes
     link = cl.link("ps")
+    # Processes busy at once on a node: the workers, and each server for the share of the time it
+    # serves them (a server of touched embedding rows mostly waits; one of dense weights may not).
+    on_node = min(c.devices, cl.devices_per_node)
+    workers_on_node = on_node * workers / c.devices
+    alone = _compute(p, cl, per_worker, on_node, o.accumulation_steps, busy=workers_on_node)
+    serving = server_seconds_per_step(moved, servers, link, cl.server_apply_bytes_per_s)
+    utilisation = min(1.0, workers * serving / max(alone + 2.0 * moved / link.beta, 1e-12))
+    busy = workers_on_node + on_node * servers / c.devices * utilisation
+    compute = _compute(p, cl, per_worker, on_node, o.accumulation_steps, busy=busy)
     step, rate = parameter_server_rate(
         worker_compute_s=compute,
         batch_per_worker=int(per_worker),
