@@ -230,7 +230,9 @@ def measure_model(
             compute[int(t)] = fit
             if opt is not None:  # each process steps its optimizer at its own share of the cores
                 step(batch)
-                optimizer_by_threads[int(t)] = median_time(opt.step, repeats)
+                seconds = median_time(opt.step, repeats)
+                fewer_opt = [optimizer_by_threads[k] for k in sorted(optimizer_by_threads) if k < t]
+                optimizer_by_threads[int(t)] = min(seconds, fewer_opt[-1]) if fewer_opt else seconds
         torch.set_num_threads(max(threads))
         x, y = take(inputs, batch), take(targets, batch)
 
