@@ -32,7 +32,7 @@ import workloads
 PER_STEP = 512
 
 
-def _compute_rate(name: str, steps: int, barrier=None) -> float:
+def _compute_rate(name: str, steps: int, barrier=None) -> tuple[float, float]:
     torch.set_num_threads(1)
     model, loss_fn, make_optimizer, make_batch, _ = workloads.make(name)
     if hasattr(model, "table"):
@@ -49,26 +49,34 @@ def _compute_rate(name: str, steps: int, barrier=None) -> float:
         step()
     if barrier is not None:
         barrier.wait()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return PER_STEP * steps / (time.perf_counter() - start)
+    samples = PER_STEP * steps
+    return samples / (time.perf_counter() - start), samples / (time.process_time() - cpu)
 
 
-def _side_by_side(args: tuple) -> float:
+def _side_by_side(args: tuple) -> tuple[float, float]:
     name, steps, barrier = args
     return _compute_rate(name, steps, barrier)
 
 
 def ceiling(name: str, steps: int) -> dict:
-    one = statistics.median(_compute_rate(name, steps) for _ in range(3))
+    ones = [_compute_rate(name, steps) for _ in range(3)]
     ctx = mp.get_context("spawn")
     twos = []
     for _ in range(3):
         barrier = ctx.Manager().Barrier(2)
         with ctx.Pool(2) as pool:
-            twos.append(sum(pool.map(_side_by_side, [(name, steps, barrier)] * 2)))
-    return {"one": one, "two": statistics.median(twos)}
+            rates = pool.map(_side_by_side, [(name, steps, barrier)] * 2)
+            twos.append((sum(r[0] for r in rates), sum(r[1] for r in rates)))
+    median = statistics.median
+    return {
+        "one": median(r[0] for r in ones),
+        "one_cpu": median(r[1] for r in ones),
+        "two": median(r[0] for r in twos),
+        "two_cpu": median(r[1] for r in twos),
+    }
 
 
 def _profile_rank(name: str, steps: int) -> dict:
@@ -175,7 +183,12 @@ def main() -> None:
         steps = a.steps if name == "W1" else a.steps * 5
         if "ceiling" in a.parts:
             c = ceiling(name, steps)
-            print(f"{name} compute only: 1 process {c['one']:.0f} samples/s; 2 side by side {c['two']:.0f}")
+            print(
+                f"{name} compute only: 1 process {c['one']:.0f} samples/s "
+                f"({c['one_cpu']:.0f} per CPU-second); "
+                f"2 side by side {c['two']:.0f} ({c['two_cpu']:.0f} per CPU-second of each, summed: what 2 "
+                f"free cores would give)"
+            )
         if "profile" in a.parts:
             p = profile(name, steps)
             print(
