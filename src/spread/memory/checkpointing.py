@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from spread.memory._forward import has_wrapper, unwrap_forward, wrap_forward
+from spread.memory.forward_wrap import has_wrapper, unwrap_forward, wrap_forward
 
 KIND = "activation_checkpoint"
 

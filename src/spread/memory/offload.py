@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from spread.memory._forward import has_wrapper, unwrap_forward, wrap_forward
+from spread.memory.forward_wrap import has_wrapper, unwrap_forward, wrap_forward
 
 KIND = "activation_offload"
 

@@ -50,7 +50,7 @@ from spread.comm.ops import classify_error
 from spread.data import ReplicaLayout
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
 from spread.memory import checkpoint_stage
-from spread.memory._forward import unwrap_forward, wrap_forward
+from spread.memory.forward_wrap import unwrap_forward, wrap_forward
 from spread.pipeline import (
     BALANCE_BY,
     SCHEDULES,

@@ -1,4 +1,5 @@
-"""Wrap a module's forward in place, without changing its type or its state_dict keys.
+"""Wrap a module's forward in place, without changing its type or its state_dict keys (checkpointing,
+offload and the pipeline strategy share it).
 
 Why not a wrapper module: a wrapper renames every parameter (``block.module.weight``), so
 checkpoints would no longer load into the plain model. An instance attribute ``forward`` shadows the
