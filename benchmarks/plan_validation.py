@@ -101,6 +101,10 @@ def _profile_from_json(data: dict) -> ModelProfile:
     data["compute"] = {int(k): tuple(v) for k, v in data["compute"].items()}
     for table in ("contention", "optimizer_by_threads", "optimizer_contention", "in_process"):
         data[table] = {int(k): float(v) for k, v in data.get(table, {}).items()}
+    data["compute_curve"] = {
+        int(k): tuple((float(b), float(t)) for b, t in points)
+        for k, points in data.get("compute_curve", {}).items()
+    }
     data["layers"] = tuple(LayerProfile(**layer) for layer in data.get("layers", ()))
     arrival = data.get("gradient_arrival")
     data["gradient_arrival"] = None if arrival is None else tuple(tuple(point) for point in arrival)

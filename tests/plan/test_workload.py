@@ -92,3 +92,38 @@ def test_block_time_shares_count_backward_where_an_embedding_spends_it():
     assert sum(shares.values()) == pytest.approx(1.0)
     assert shares["0"] > 0.8, shares
     assert all(p.grad is None for p in model.parameters())  # the user's model untouched
+
+
+def test_compute_follows_the_measured_curve_where_small_batches_cost_more_per_sample():
+    from spread.plan.workload import ModelProfile
+
+    profile = ModelProfile(
+        name="toy",
+        param_bytes=1.0,
+        sparse_bytes=0.0,
+        sparse_row_bytes=0.0,
+        sparse_rows_per_sample=0.0,
+        optimizer_bytes=0.0,
+        activation_bytes_per_sample=0.0,
+        compute={1: (0.01, 0.0003125), 2: (0.0, 1e-4)},
+        backward_fraction=0.5,
+        optimizer_seconds=0.0,
+        batch=512,
+        compute_curve={1: ((32.0, 0.02), (128.0, 0.05), (512.0, 0.17))},
+    )
+    assert profile.compute_seconds(64, 1) == pytest.approx(0.03)  # between two measured batches
+    assert profile.compute_seconds(256, 1) == pytest.approx(0.09)
+    assert profile.compute_seconds(1024, 1) == pytest.approx(0.33)  # the line through the last two
+    assert profile.compute_seconds(16, 1) == pytest.approx(0.015)  # the line through the first two
+    assert profile.compute_seconds(0, 1) == 0.0
+    assert profile.compute_seconds(100, 2) == pytest.approx(0.01)  # no curve: the straight line
+    steep = ModelProfile(**{**profile.__dict__, "compute_curve": {1: ((10.0, 0.001), (20.0, 0.01))}})
+    assert steep.compute_seconds(5, 1) == pytest.approx(0.0005)  # never below proportional
+
+
+def test_compute_is_measured_at_three_batch_sizes_per_thread_count():
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    profile = measure_model(_mlp(), nn.CrossEntropyLoss(), x, y, threads=(1, 2), repeats=1)
+    for threads in (1, 2):
+        assert [b for b, _ in profile.compute_curve[threads]] == [4.0, 16.0, 64.0]
+        assert all(seconds > 0 for _, seconds in profile.compute_curve[threads])

@@ -61,6 +61,9 @@ class ModelProfile:
     # in-process replicas (threads of one process, as MirroredStrategy runs them) -> slowdown of the
     # replicated forward+backward with gradients combined in one address space, beyond ``contention``
     in_process: dict[int, float] = field(default_factory=dict)
+    # threads -> measured (batch, seconds) points of forward+backward, smallest batch first: small
+    # batches (pipeline micro-batches) cost more per sample than the straight line ``compute`` says
+    compute_curve: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def contention_factor(self, replicas: int) -> float:
         """How much slower each of ``replicas`` concurrent replicas computes than one alone would.
@@ -100,8 +103,13 @@ class ModelProfile:
         if threads is None or threads not in self.compute:
             known = sorted(self.compute)
             threads = min(known, key=lambda t: (abs(t - (threads or known[-1])), -t))
+        if batch <= 0:
+            return 0.0
+        curve = self.compute_curve.get(threads, ())
+        if len(curve) >= 2:
+            return _on_curve(curve, batch)
         fixed, per_sample = self.compute[threads]
-        return fixed + per_sample * max(batch, 0.0) if batch > 0 else 0.0
+        return fixed + per_sample * batch
 
     def checkpointed_activation_bytes_per_sample(self) -> float:
         """Activations with each block checkpointed: block outputs kept, one block's inside at a time."""
@@ -109,6 +117,23 @@ class ModelProfile:
             return self.activation_bytes_per_sample
         kept = sum(layer.output_bytes_per_sample for layer in self.layers)
         return kept + max(layer.activation_bytes_per_sample for layer in self.layers)
+
+
+def _on_curve(points: tuple[tuple[float, float], ...], batch: float) -> float:
+    """Seconds at ``batch`` on the piecewise-linear curve through ``points`` (sorted by batch).
+
+    Between two measured batches: the line between them. Outside: the line through the two nearest,
+    never below what the nearest point's per-sample cost gives for the smaller side (a line with a
+    negative intercept would make tiny batches free).
+    """
+    i = 1
+    while i < len(points) - 1 and batch > points[i][0]:
+        i += 1
+    (b0, t0), (b1, t1) = points[i - 1], points[i]
+    line = t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+    if batch < b0:
+        return max(line, t0 * batch / b0)
+    return max(line, 0.0)
 
 
 def _factor(table: dict[int, float], replicas: int) -> float:
@@ -217,16 +242,21 @@ def measure_model(
     optimizer_by_threads: dict[int, float] = {}
     opt = same_optimizer(optimizer, params) if optimizer is not None else None
     small = max(1, batch // 4)
+    sizes = sorted({max(1, batch // 16), small, batch})
+    curves: dict[int, tuple[tuple[float, float], ...]] = {}
     try:
         for t in sorted(threads):
             torch.set_num_threads(int(t))
-            t_small = median_time(lambda: step(small), repeats)
-            t_full = median_time(lambda: step(batch), repeats)
+            measured = {n: median_time(lambda n=n: step(n), repeats) for n in sizes}
+            t_small, t_full = measured[small], measured[batch]
             per_sample = max((t_full - t_small) / (batch - small), 0.0)
             fit = (max(t_full - per_sample * batch, 0.0), per_sample)
-            fewer = [compute[k] for k in sorted(compute) if k < t]
-            if fewer and fewer[-1][0] + fewer[-1][1] * batch < t_full:
-                fit = fewer[-1]  # more threads measured slower (busy cores): a process can use fewer
+            curve = tuple((float(n), measured[n]) for n in sizes)
+            fewer = [k for k in sorted(compute) if k < t]
+            if fewer and compute[fewer[-1]][0] + compute[fewer[-1]][1] * batch < t_full:
+                # more threads measured slower (busy cores): a process can use fewer
+                fit, curve = compute[fewer[-1]], curves.get(fewer[-1], ())
+            curves[int(t)] = curve
             compute[int(t)] = fit
             if opt is not None:  # each process steps its optimizer at its own share of the cores
                 step(batch)
@@ -266,6 +296,7 @@ def measure_model(
         layers=layers,
         gradient_arrival=gradient_arrival,
         optimizer_by_threads=optimizer_by_threads,
+        compute_curve={t: c for t, c in curves.items() if len(c) >= 2},
     )
     counts = sorted({int(k) for k in concurrency if 2 <= k <= batch})
     if not counts:
