@@ -250,7 +250,9 @@ def measure_model(
             measured = {n: median_time(lambda n=n: step(n), repeats) for n in sizes}
             t_small, t_full = measured[small], measured[batch]
             per_sample = max((t_full - t_small) / (batch - small), 0.0)
-            fit = (max(t_full - per_sample * batch, 0.0), per_sample)
+            fit = (t_full - per_sample * batch, per_sample)
+            if fit[0] < 0:  # a negative intercept clamped to 0 would overstate every larger batch
+                fit = (0.0, t_full / batch)
             curve = tuple((float(n), measured[n]) for n in sizes)
             fewer = [k for k in sorted(compute) if k < t]
             if fewer and compute[fewer[-1]][0] + compute[fewer[-1]][1] * batch < t_full:
