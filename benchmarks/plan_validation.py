@@ -16,8 +16,9 @@ predict the same configurations again with the current cost model, without measu
 see what a change to the model does to the error and the recommendations). Several files are merged.
 ``--reprofile`` profiles the models again first (to try a change to what the profile measures; the
 machine should be the one, and as quiet as the one, that measured the rows).
-``--confirm results.json [--rounds 2]`` measures the leading configurations of every close cell again,
-interleaved, and takes the median of all their measurements (steadier ranking on a noisy machine).
+``--confirm results.json [--rounds 2]`` measures every configuration within 15% of its cell's best (and
+the recommended one) again in interleaved rounds, and ranks by those rounds alone (a fairer ranking on
+a machine whose speed drifts between configurations measured minutes apart).
 
 Timing runs one at a time; nothing else should load the machine meanwhile.
 """
@@ -241,35 +242,41 @@ def _replay(paths: list[str], reprofile: bool = False, save: str | None = None) 
 
 
 def _confirm(path: str, rounds: int, steps: int, timeout: float, lead: float = 0.15) -> None:
-    """Measure each cell's leading configurations again, interleaved, before naming the best.
+    """Measure each close cell's contenders again, interleaved, before naming the best.
 
-    One pass measures every configuration once, minutes apart; on a VM whose speed swings by
-    minutes, configurations a few percent apart then rank by when they ran. For each (workload,
-    procs) cell where the measured best leads the runner-up by less than ``lead``, the two fastest and
-    the recommended configuration run ``rounds`` more times in turn; each row's measured step becomes
-    the median of all its measurements. Predictions are untouched. Rewrites ``path``.
+    One pass measures every configuration once, minutes apart; on a VM whose speed drifts by tens of
+    percent within minutes, configurations a few percent apart then rank by when they ran. In each
+    (workload, procs) cell, every configuration measured within ``lead`` of the best, and the
+    recommended one, run ``rounds`` more times in turn; each such row's measured step becomes the
+    median of those interleaved rounds only (the first pass, taken at another time, is kept in
+    ``measurements`` for the record but not used: drift would favour whichever row was not
+    measured again). Predictions are untouched. Rewrites ``path``.
     """
     data = json.loads(Path(path).read_text())
     rows = data["rows"]
     for key in dict.fromkeys((r["workload"], r["procs"]) for r in rows):
-        here = sorted(
-            (r for r in rows if (r["workload"], r["procs"]) == key and r["measured_ms"]),
-            key=lambda r: r["measured_ms"],
-        )
-        if len(here) < 2 or here[1]["measured_ms"] > (1 + lead) * here[0]["measured_ms"]:
+        here = [r for r in rows if (r["workload"], r["procs"]) == key and r["measured_ms"]]
+        if len(here) < 2:
             continue
+        best = min(r["measured_ms"] for r in here)
         chosen = max(here, key=lambda r: r["predicted_rate"])
-        leading = list({id(r): r for r in [*here[:2], chosen]}.values())
+        contenders = [r for r in here if r["measured_ms"] <= (1 + lead) * best or r is chosen]
+        if len(contenders) < 2:
+            continue
+        again: dict[int, list[float]] = {id(r): [] for r in contenders}
         for _ in range(rounds):
-            for row in leading:
+            for row in contenders:
                 seconds = _measure(row["workload"], _candidate(row), steps, timeout)
                 if seconds is not None:
-                    row.setdefault("measurements", [row["measured_ms"]]).append(seconds * 1e3)
-        for row in leading:
-            row["measured_ms"] = statistics.median(row.get("measurements", [row["measured_ms"]]))
-            row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+                    again[id(row)].append(seconds * 1e3)
+        for row in contenders:
+            if again[id(row)]:
+                row["measurements"] = [row["measured_ms"], *again[id(row)]]
+                row["measured_ms"] = statistics.median(again[id(row)])
+                row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
         print(
-            f"{key}: " + ", ".join(f"{r['config']} {r.get('measurements')}" for r in leading), file=sys.stderr
+            f"{key}: " + ", ".join(f"{r['config']} {r.get('measurements')}" for r in contenders),
+            file=sys.stderr,
         )
     Path(path).write_text(json.dumps(data, indent=1))
     _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))
