@@ -315,8 +315,8 @@ def main() -> None:
     rows, profiles = [], {}
     for name in args.workloads.split(","):
         counts = sorted({int(n) for n in args.procs.split(",")})
-        global_batch = workloads.make(name)[-1]
         profile = _profile_workload(name, counts)
+        global_batch = profile.batch  # profiled on one global batch
         profiles[name] = asdict(profile)
         print(f"{name}: {_factors(profile)}", file=sys.stderr)
         for n in counts:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _profiles import toy_profile
 from torch import nn
 
 from spread.plan.concurrency import replica_counts
-from spread.plan.workload import ModelProfile, measure_model
+from spread.plan.workload import measure_model
 
 
 def _mlp() -> nn.Sequential:
@@ -102,18 +103,8 @@ def test_without_an_optimizer_or_with_structured_inputs_those_factors_are_left_o
 
 
 def test_factor_lookup_and_optimizer_time_by_hand():
-    profile = ModelProfile(
-        name="toy",
-        param_bytes=1.0,
-        sparse_bytes=0.0,
-        sparse_row_bytes=0.0,
-        sparse_rows_per_sample=0.0,
-        optimizer_bytes=0.0,
-        activation_bytes_per_sample=0.0,
-        compute={1: (0.0, 1e-3)},
-        backward_fraction=0.5,
+    profile = toy_profile(
         optimizer_seconds=0.2,
-        batch=8,
         optimizer_by_threads={1: 0.3, 4: 0.1},
         optimizer_contention={2: 1.5, 4: 2.0},
         in_process={3: 1.2},

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from _profiles import toy_profile
 from torch import nn
 
 from spread.plan.workload import measure_model
@@ -95,19 +98,8 @@ def test_block_time_shares_count_backward_where_an_embedding_spends_it():
 
 
 def test_compute_follows_the_measured_curve_where_small_batches_cost_more_per_sample():
-    from spread.plan.workload import ModelProfile
-
-    profile = ModelProfile(
-        name="toy",
-        param_bytes=1.0,
-        sparse_bytes=0.0,
-        sparse_row_bytes=0.0,
-        sparse_rows_per_sample=0.0,
-        optimizer_bytes=0.0,
-        activation_bytes_per_sample=0.0,
+    profile = toy_profile(
         compute={1: (0.01, 0.0003125), 2: (0.0, 1e-4)},
-        backward_fraction=0.5,
-        optimizer_seconds=0.0,
         batch=512,
         compute_curve={1: ((32.0, 0.02), (128.0, 0.05), (512.0, 0.17))},
     )
@@ -117,7 +109,7 @@ def test_compute_follows_the_measured_curve_where_small_batches_cost_more_per_sa
     assert profile.compute_seconds(16, 1) == pytest.approx(0.015)  # the line through the first two
     assert profile.compute_seconds(0, 1) == 0.0
     assert profile.compute_seconds(100, 2) == pytest.approx(0.01)  # no curve: the straight line
-    steep = ModelProfile(**{**profile.__dict__, "compute_curve": {1: ((10.0, 0.001), (20.0, 0.01))}})
+    steep = replace(profile, compute_curve={1: ((10.0, 0.001), (20.0, 0.01))})
     assert steep.compute_seconds(5, 1) == pytest.approx(0.0005)  # never below proportional
 
 

@@ -98,6 +98,14 @@ def _backward_step(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
     return step
 
 
+def _replica_share(
+    profile: ModelProfile, inputs: Any, targets: Any, replicas: int, cores: int
+) -> tuple[int, int, Any, Any]:
+    """``(samples, intra-op threads, inputs, targets)`` of one of ``replicas`` on ``cores`` cores."""
+    local = max(1, profile.batch // replicas)
+    return local, max(1, cores // replicas), take(inputs, local), take(targets, local)
+
+
 def measure_contention(
     profile: ModelProfile,
     model: nn.Module,
@@ -113,9 +121,7 @@ def measure_contention(
     Each copy computes ``batch / replicas`` samples with ``cores // replicas`` threads; the factor is
     their median step over what ``profile`` predicts for one alone.
     """
-    local = max(1, profile.batch // replicas)
-    threads = max(1, cores // replicas)
-    x, y = take(inputs, local), take(targets, local)
+    local, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
     steps = [_backward_step(copy.deepcopy(model), loss_fn, x, y) for _ in range(replicas)]
     together = run_together(steps, threads, repeats)
     return _slowdown(together, profile.compute_seconds(local, threads), replicas, cores)
@@ -139,9 +145,7 @@ def measure_optimizer_contention(
     256 MB reads and writes ~1 GB). Each copy gets its own optimizer of ``optimizer``'s class and
     settings and one backward's gradients; the factor compares with ``profile``'s step alone.
     """
-    local = max(1, profile.batch // replicas)
-    threads = max(1, cores // replicas)
-    x, y = take(inputs, local), take(targets, local)
+    _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
     steps = []
     for _ in range(replicas):
         replica = copy.deepcopy(model)
@@ -196,7 +200,6 @@ def measure_in_process(
             torch.set_num_threads(previous)
     finally:
         strategy.close()
-    local = max(1, profile.batch // replicas)
-    threads = max(1, cores // replicas)
+    local, threads, _, _ = _replica_share(profile, inputs, targets, replicas, cores)
     separate = profile.compute_seconds(local, threads) * profile.contention_factor(replicas)
     return _slowdown([measured], separate, replicas, cores)

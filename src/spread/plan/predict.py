@@ -119,14 +119,26 @@ def _compute(
     ``in_process`` thread replicas, :meth:`~ModelProfile.in_process_factor` on top). ``busy``: how
     many of the processes compute at once when fewer than all do (pipeline stages that mostly wait).
     """
-    threads, crowding = None, 1.0
+    threads, crowding = _core_share(cluster, processes_per_node, busy)
     if cluster.cores_per_node is not None:
-        threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
-        crowding = max(1.0, (processes_per_node if busy is None else busy) / cluster.cores_per_node)
         crowding *= profile.contention_factor(concurrent)
         if in_process:
             crowding *= profile.in_process_factor(concurrent)
     return crowding * k * profile.compute_seconds(batch / k, threads) / cluster.compute_scale
+
+
+def _core_share(
+    cluster: ClusterModel, processes_per_node: int, busy: float | None
+) -> tuple[int | None, float]:
+    """``(intra-op threads, time-slicing factor)`` of one of ``processes_per_node`` CPU processes.
+
+    Each gets ``cores // processes`` threads; ``busy`` (default: all) of them computing at once on
+    fewer cores are time-sliced by ``busy / cores``. Accelerators: ``(None, 1.0)``.
+    """
+    if cluster.cores_per_node is None:
+        return None, 1.0
+    threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
+    return threads, max(1.0, (processes_per_node if busy is None else busy) / cluster.cores_per_node)
 
 
 def _optimizer(
@@ -143,11 +155,9 @@ def _optimizer(
     (:meth:`~ModelProfile.optimizer_contention_factor`); a memory-bound update of a large table is
     where data parallelism on one CPU node loses most. ``busy`` as for :func:`_compute`.
     """
-    if cluster.cores_per_node is None:
-        return profile.optimizer_seconds / cluster.compute_scale
-    threads = max(1, cluster.cores_per_node // max(processes_per_node, 1))
-    crowding = max(1.0, (processes_per_node if busy is None else busy) / cluster.cores_per_node)
-    crowding *= profile.optimizer_contention_factor(concurrent)
+    threads, crowding = _core_share(cluster, processes_per_node, busy)
+    if cluster.cores_per_node is not None:
+        crowding *= profile.optimizer_contention_factor(concurrent)
     return crowding * profile.optimizer_time(threads) / cluster.compute_scale
 
 
