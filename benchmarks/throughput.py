@@ -1,20 +1,32 @@
 """Training throughput of one workload under every synchronous configuration, for ``spread bench``.
 
-Two jobs per workload, each printing one JSON object (``--json PATH`` writes it to a file):
+One job per workload (``--job all``) prints one JSON object (``--json PATH`` writes it to a file).
+It starts 2 processes x 1 thread on loopback (one process group) and measures, in interleaved
+rounds, every configuration:
 
-* ``--job single``: one process: 1 thread, 2 threads, then ``MirroredStrategy`` with 2 replicas
-  (threads, 1 intra-op thread each) for every ``cross_device_ops``;
-* ``--job ranks``: 2 processes x 1 thread on loopback, one process group for all: PyTorch DDP, then
-  ``MultiWorkerMirroredStrategy`` with every ``communication`` (``auto`` first: the default);
-* ``--job tensorflow`` (W1): TensorFlow's ``MultiWorkerMirroredStrategy``, 2 processes x 1 thread,
-  through ``tf_baselines.py``, when ``tensorflow`` is importable; otherwise (and with ``--quick``) a
-  row that says why it was skipped.
+* one process with 1 thread and with 2 threads, then ``MirroredStrategy`` with 2 replicas (threads,
+  1 intra-op thread each) for every ``cross_device_ops``: run by rank 0 alone while rank 1 waits,
+  idle, at a barrier;
+* PyTorch DDP and ``MultiWorkerMirroredStrategy`` with every ``communication`` (``auto`` first: the
+  default), 2 x 1 thread, both ranks;
+* (W1) TensorFlow's ``MultiWorkerMirroredStrategy``, 2 processes x 1 thread, through
+  ``tf_baselines.py`` started by rank 0 while both torch ranks wait, when ``tensorflow`` is
+  importable; otherwise (and with ``--quick``) a row that says why it was skipped.
+
+Why rounds: this VM's speed drifts by tens of percent within minutes, so configurations measured
+one block after another are compared under different machines. In every round each configuration
+runs ``reps`` timed repetitions (the order rotates from round to round), so drift hits all of them
+alike; the report's ratios are paired: per round, then the median over rounds. Every configuration
+is built once (models, strategies, buffers) and stays alive, idle, between its turns.
 
 Every configuration: the workload's model (same seed), optimizer and synthetic global batch;
-``warmup`` steps, then ``reps`` timed repetitions of ``steps`` steps (ranks meet at a barrier
-around each repetition). A repetition's rate is units (samples or tokens) per second.
+``warmup`` steps at its first turn and one at each later turn, then ``reps`` timed repetitions of
+``steps`` steps (ranks meet at a barrier around each repetition). A repetition's rate is units
+(samples or tokens) per second.
 
-    python benchmarks/throughput.py --workload W1 --job ranks [--quick] [--reps 7 --steps 5]
+    python benchmarks/throughput.py --workload W1 --job all [--quick] [--rounds 4 --reps 2 --steps 5]
+
+``--job tensorflow`` runs the TensorFlow row alone.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +51,7 @@ DESCRIPTIONS = {
 }
 MWMS_ALGORITHMS = ("auto", "native", "ring", "shm", "hierarchical", "reduce_to_one")
 MIRRORED_OPS = ("accumulate", "reduce_to_one", "hierarchical_copy")
+TF_CONFIG_NAME = "TensorFlow MultiWorkerMirrored 2 x 1 thread (RING, custom step)"
 
 
 def _time(step: Callable[[], None], warmup: int, reps: int, steps: int, units: int, sync=None) -> list[float]:
@@ -92,41 +106,13 @@ def _strategy_step(strategy, name: str, quick: bool):
     return step
 
 
-def run_single(name: str, quick: bool, warmup: int, reps: int, steps: int) -> dict:
-    import spread
+@dataclass
+class _Config:
+    """One row: how to run a turn of it on this rank (``None``: this rank only waits)."""
 
-    label, per_sample = workloads.unit(name, quick=quick)
-    units = workloads.make(name, quick=quick)[4] * per_sample
-    rows = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        rates = _time(_plain_step(name, quick), warmup, reps, steps, units)
-        rows.append(
-            {
-                "config": f"one process, {threads} thread{'s' * (threads > 1)}",
-                "kind": "single",
-                "processes": 1,
-                "threads": threads,
-                "rates": rates,
-            }
-        )
-    for op in MIRRORED_OPS:
-        strategy = spread.MirroredStrategy(num_replicas=2, cross_device_ops=op, intra_op_threads=1)
-        try:
-            rates = _time(_strategy_step(strategy, name, quick), warmup, reps, steps, units)
-        finally:
-            strategy.close()
-        rows.append(
-            {
-                "config": f"spread Mirrored 2 replicas (threads), cross_device_ops={op}",
-                "kind": "mirrored",
-                "option": op,
-                "processes": 1,
-                "threads": 2,
-                "rates": rates,
-            }
-        )
-    return _result(name, quick, label, rows)
+    row: dict
+    turn: Callable[[int], list[float]] | None
+    rounds: list[list[float]] = field(default_factory=list)
 
 
 def _result(name: str, quick: bool, unit: str, rows: list[dict]) -> dict:
@@ -140,124 +126,198 @@ def _result(name: str, quick: bool, unit: str, rows: list[dict]) -> dict:
     }
 
 
-def _rank_job(name: str, quick: bool, warmup: int, reps: int, steps: int) -> dict:
+def _single_configs(name: str, quick: bool, timed: Callable, lead: bool, closers: list) -> list[_Config]:
+    """One process (1 and 2 threads) and MirroredStrategy x 2 per cross_device_ops: rank 0 runs them."""
+    import spread
+
+    configs = []
+    for threads in (1, 2):
+        row = {
+            "config": f"one process, {threads} thread{'s' * (threads > 1)}",
+            "kind": "single",
+            "processes": 1,
+            "threads": threads,
+        }
+        step = _plain_step(name, quick) if lead else None
+        configs.append(_Config(row, timed(step, threads) if lead else None))
+    for op in MIRRORED_OPS:
+        row = {
+            "config": f"spread Mirrored 2 replicas (threads), cross_device_ops={op}",
+            "kind": "mirrored",
+            "option": op,
+            "processes": 1,
+            "threads": 2,
+        }
+        turn = None
+        if lead:
+            strategy = spread.MirroredStrategy(num_replicas=2, cross_device_ops=op, intra_op_threads=1)
+            closers.append(strategy.close)
+            turn = timed(_strategy_step(strategy, name, quick), 1)
+        configs.append(_Config(row, turn))
+    return configs
+
+
+def _rank_configs(name: str, quick: bool, rank: int, timed: Callable, closers: list) -> list[_Config]:
+    """PyTorch DDP and MultiWorkerMirroredStrategy per communication: both ranks run them."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import spread
+
+    torch.set_num_threads(1)
+    ddp = _plain_step(name, quick, rank, dist.get_world_size(), wrap=DistributedDataParallel)
+    row = {"config": "PyTorch DDP 2 x 1 thread", "kind": "ddp", "processes": 2, "threads": 1}
+    configs = [_Config(row, timed(ddp, 1, dist.barrier))]
+    for algorithm in MWMS_ALGORITHMS:
+        strategy = spread.MultiWorkerMirroredStrategy(algorithm)
+        closers.append(strategy.close)
+        resolved = type(strategy.algorithm).name
+        shown = f"auto = {resolved}, the default" if algorithm == "auto" else algorithm
+        row = {
+            "config": f"spread MultiWorkerMirrored 2 x 1 thread, communication={shown}",
+            "kind": "mwms",
+            "option": algorithm,
+            "resolved": resolved,
+            "processes": 2,
+            "threads": 1,
+        }
+        configs.append(_Config(row, timed(_strategy_step(strategy, name, quick), 1, dist.barrier)))
+    return configs
+
+
+def _all_job(
+    name: str, quick: bool, warmup: int, rounds: int, reps: int, steps: int, tf_timeout: float
+) -> dict:
+    """Every configuration in ``rounds`` interleaved rounds (see the module docstring)."""
+    import torch.distributed as dist
+
     from spread.cluster import resolve_cluster
     from spread.cluster.rendezvous import rendezvous
 
     torch.set_num_threads(1)
-    rdzv = rendezvous(resolve_cluster())
+    # A turn of rank 0 alone (or of TensorFlow) keeps the other rank waiting at a barrier.
+    rdzv = rendezvous(resolve_cluster(), collective_timeout=max(600.0, tf_timeout + 120.0))
+    lead = rdzv.rank == 0
     label, per_sample = workloads.unit(name, quick=quick)
     units = workloads.make(name, quick=quick)[4] * per_sample
+    visits: dict[int, int] = {}
+
+    def timed(step, threads: int, sync=None) -> Callable[[int], list[float]]:
+        def turn(n: int) -> list[float]:
+            torch.set_num_threads(threads)
+            first = visits.setdefault(id(step), 0) == 0
+            visits[id(step)] += 1
+            return _time(step, warmup if first else 1, n, steps, units, sync)
+
+        return turn
+
+    closers: list[Callable[[], None]] = []
     try:
+        configs = _single_configs(name, quick, timed, lead, closers)
+        configs += _rank_configs(name, quick, rdzv.rank, timed, closers)
+        tf_row = _tensorflow_row(name, quick)  # rank 0 marks it skipped if a TensorFlow run fails
+        tf_turn = (lambda n: _run_tensorflow(name, warmup, n, steps, tf_timeout, tf_row)) if lead else None
+        configs.append(_Config(tf_row, None if "skipped" in tf_row else tf_turn))
+        for r in range(rounds):
+            shift = r % len(configs)
+            for config in configs[shift:] + configs[:shift]:
+                dist.barrier()
+                config.rounds.append(config.turn(reps) if config.turn is not None else [])
+                dist.barrier()
         rows = []
-        step = _plain_step(name, quick, rdzv.rank, dist.get_world_size(), wrap=DistributedDataParallel)
-        rates = _time(step, warmup, reps, steps, units, sync=dist.barrier)
-        rows.append(
-            {
-                "config": "PyTorch DDP 2 x 1 thread",
-                "kind": "ddp",
-                "processes": 2,
-                "threads": 1,
-                "rates": rates,
-            }
-        )
-        for algorithm in MWMS_ALGORITHMS:
-            strategy = spread.MultiWorkerMirroredStrategy(algorithm)
-            try:
-                resolved = type(strategy.algorithm).name
-                rates = _time(
-                    _strategy_step(strategy, name, quick), warmup, reps, steps, units, sync=dist.barrier
-                )
-            finally:
-                strategy.close()
-            shown = f"auto = {resolved}, the default" if algorithm == "auto" else algorithm
+        for c in configs:
+            ran = "skipped" not in c.row
             rows.append(
                 {
-                    "config": f"spread MultiWorkerMirrored 2 x 1 thread, communication={shown}",
-                    "kind": "mwms",
-                    "option": algorithm,
-                    "resolved": resolved,
-                    "processes": 2,
-                    "threads": 1,
-                    "rates": rates,
+                    **c.row,
+                    "rounds": c.rounds if ran else [],
+                    "rates": [x for rr in c.rounds for x in rr] if ran else [],
                 }
             )
         return _result(name, quick, label, rows)
     finally:
+        for close in reversed(closers):
+            close()
         rdzv.close()
 
 
-def run_ranks_job(name: str, quick: bool, warmup: int, reps: int, steps: int, timeout: float) -> dict:
+def run_all(name: str, quick: bool, warmup: int, rounds: int, reps: int, steps: int, timeout: float) -> dict:
     from spread.testing import run_ranks
 
-    return run_ranks(_rank_job, 2, args=(name, quick, warmup, reps, steps), timeout=timeout)[0]
+    tf_timeout = min(timeout, 600.0)
+    args = (name, quick, warmup, rounds, reps, steps, tf_timeout)
+    return run_ranks(_all_job, 2, args=args, timeout=timeout)[0]
 
 
-TF_CONFIG_NAME = "TensorFlow MultiWorkerMirrored 2 x 1 thread (RING, custom step)"
-
-
-def run_tensorflow(name: str, quick: bool, warmup: int, reps: int, steps: int, timeout: float) -> dict:
-    """TensorFlow's MWMS on W1 as one row (``rates`` empty and ``skipped`` set when not run)."""
-    import subprocess
-
+def _tensorflow_row(name: str, quick: bool) -> dict:
+    """The TensorFlow row, with ``skipped`` set when it will not run."""
     import tf_baselines
 
-    label, _per_sample = workloads.unit(name, quick=quick)
-    row = {"config": TF_CONFIG_NAME, "kind": "tensorflow", "processes": 2, "threads": 1, "rates": []}
+    row = {"config": TF_CONFIG_NAME, "kind": "tensorflow", "processes": 2, "threads": 1}
     if name != "W1":
         row["skipped"] = "skipped: TensorFlow runs W1 only"
     elif quick:
         row["skipped"] = "skipped: not run with --quick"
     elif not tf_baselines.tensorflow_available():
         row["skipped"] = "skipped: tensorflow not installed"
-    else:
-        timeout = min(timeout, 600.0)  # the launcher's own limit, under this job's
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_baselines.py")
-        cmd = [sys.executable, script, "--mode", "mwms", "--workload", name, "--workers", "2"]
-        cmd += ["--warmup", str(warmup), "--reps", str(reps), "--steps", str(steps)]
-        cmd += ["--timeout", str(timeout)]
-        rc, err = None, ""
-        try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout + 60, stdin=subprocess.DEVNULL
-            )
-            rc, err = proc.returncode, proc.stderr
-            records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-            record = records[-1] if records else {"error": f"no output (exit {rc})"}
-        except subprocess.TimeoutExpired:
-            record = {"error": f"ran past {timeout + 60:.0f} s"}
-        if "error" in record or rc != 0:
-            sys.stderr.write(f"tf_baselines.py: {record.get('error')}\n{err[-2000:]}\n")
-            row["skipped"] = f"failed: {record.get('error', f'exit {rc}')} (role {record.get('role')})"
-        elif not record.get("replicas_in_sync", False):
-            row["skipped"] = "failed: the TensorFlow replicas ended with different weights"
-        else:
-            row["rates"] = record["rates"]
+    return row
+
+
+def _run_tensorflow(name: str, warmup: int, reps: int, steps: int, timeout: float, row: dict) -> list[float]:
+    """One TensorFlow job of ``reps`` repetitions (its own processes); on failure, ``row`` says why
+    and no rates are returned."""
+    import subprocess
+
+    if "skipped" in row:
+        return []
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_baselines.py")
+    cmd = [sys.executable, script, "--mode", "mwms", "--workload", name, "--workers", "2"]
+    cmd += ["--warmup", str(warmup), "--reps", str(reps), "--steps", str(steps), "--timeout", str(timeout)]
+    rc, err = None, ""
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout + 60, stdin=subprocess.DEVNULL
+        )
+        rc, err = proc.returncode, proc.stderr
+        records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        record = records[-1] if records else {"error": f"no output (exit {rc})"}
+    except subprocess.TimeoutExpired:
+        record = {"error": f"ran past {timeout + 60:.0f} s"}
+    if "error" in record or rc != 0:
+        sys.stderr.write(f"tf_baselines.py: {record.get('error')}\n{err[-2000:]}\n")
+        row["skipped"] = f"failed: {record.get('error', f'exit {rc}')} (role {record.get('role')})"
+        return []
+    if not record.get("replicas_in_sync", False):
+        row["skipped"] = "failed: the TensorFlow replicas ended with different weights"
+        return []
+    return record["rates"]
+
+
+def run_tensorflow(name: str, quick: bool, warmup: int, reps: int, steps: int, timeout: float) -> dict:
+    """TensorFlow's MWMS on W1 as one row (``rates`` empty and ``skipped`` set when not run)."""
+    label, _per_sample = workloads.unit(name, quick=quick)
+    row = _tensorflow_row(name, quick)
+    row["rates"] = _run_tensorflow(name, warmup, reps, steps, min(timeout, 600.0), row)
     return _result(name, quick, label, [row])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True, choices=["W1", "W2", "w1", "w2"])
-    parser.add_argument("--job", required=True, choices=["single", "ranks", "tensorflow"])
+    parser.add_argument("--job", default="all", choices=["all", "tensorflow"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=2, help="timed repetitions per round")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="write the result here instead of stdout")
     args = parser.parse_args()
     name = args.workload.upper()
-    if args.job == "single":
-        result = run_single(name, args.quick, args.warmup, args.reps, args.steps)
-    elif args.job == "tensorflow":
+    if args.job == "tensorflow":
         result = run_tensorflow(name, args.quick, args.warmup, args.reps, args.steps, args.timeout)
     else:
-        result = run_ranks_job(name, args.quick, args.warmup, args.reps, args.steps, args.timeout)
+        result = run_all(name, args.quick, args.warmup, args.rounds, args.reps, args.steps, args.timeout)
     text = json.dumps(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -123,3 +123,20 @@ def test_calibrate_writes_its_own_profile_without_the_planner(tmp_path, monkeypa
     assert profile["schema_version"] == 1 and profile["kind"] == _bench_calibrate.KIND
     assert {"native", "ring", "shm", "hierarchical", "reduce_to_one"} <= set(profile["allreduce"])
     assert profile["compute"]["matmul_flops"] > 0
+
+
+def test_ratios_are_paired_by_round_when_rounds_are_given():
+    """A machine that slows down in one round must not turn a 1.1x configuration into 3x: the ratio
+    is taken within each round, then the median over rounds."""
+    base = {"config": "one", "kind": "single", "processes": 1, "threads": 1, "rounds": [[50], [50], [150]]}
+    ddp = {"config": "ddp", "kind": "ddp", "processes": 2, "threads": 1, "rounds": [[100], [100], [300]]}
+    fast = {"config": "x", "kind": "mwms", "processes": 2, "threads": 1, "rounds": [[110], [300], [330]]}
+    for row in (base, ddp, fast):
+        row["rates"] = [x for r in row["rounds"] for x in r]
+    rows = {r["config"]: r for r in _bench_report.throughput_rows({"rows": [base, ddp, fast]})}
+    assert rows["x"]["vs_ddp"] == pytest.approx(1.1)  # the overall medians would say 300 / 100 = 3x
+    assert rows["x"]["efficiency"] == pytest.approx(1.1)  # 110 / 50 / 2 per round
+    assert rows["ddp"]["vs_ddp"] == pytest.approx(1.0)
+    unpaired = {**fast, "rounds": None}
+    (row,) = [r for r in _bench_report.throughput_rows({"rows": [ddp, unpaired]}) if r["config"] == "x"]
+    assert row["vs_ddp"] == pytest.approx(3.0)  # no rounds: the ratio of the medians, as before

@@ -25,13 +25,23 @@ def _median(rates: list[float]) -> float:
     return statistics.median(rates) if rates else float("nan")
 
 
+def _paired(row: dict[str, Any], ref: dict[str, Any] | None) -> float:
+    """Median over rounds of ``row``'s median / ``ref``'s median in the same round (interleaved runs),
+    else the ratio of the overall medians."""
+    if ref is None:
+        return float("nan")
+    pairs = zip(row.get("rounds") or [], ref.get("rounds") or [], strict=False)
+    ratios = [_median(a) / _median(b) for a, b in pairs if a and b]
+    if ratios:
+        return statistics.median(ratios)
+    return _median(row["rates"]) / _median(ref["rates"]) if ref["rates"] else float("nan")
+
+
 def throughput_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One workload's configurations with median, min, max, spread, vs DDP and efficiency."""
     rows = result["rows"]
     base = next((r for r in rows if r["kind"] == "single" and r["threads"] == 1), None)
     ddp = next((r for r in rows if r["kind"] == "ddp"), None)
-    base_rate = _median(base["rates"]) if base else float("nan")
-    ddp_rate = _median(ddp["rates"]) if ddp else float("nan")
     out = []
     for r in rows:
         med = _median(r["rates"])
@@ -43,8 +53,8 @@ def throughput_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "min": min(r["rates"], default=float("nan")),
                 "max": max(r["rates"], default=float("nan")),
                 "spread": (max(r["rates"]) - min(r["rates"])) / med if r["rates"] and med else float("nan"),
-                "vs_ddp": med / ddp_rate if ddp_rate == ddp_rate else float("nan"),
-                "efficiency": med / (cores * base_rate) if base_rate == base_rate else float("nan"),
+                "vs_ddp": _paired(r, ddp),
+                "efficiency": _paired(r, base) / cores,
             }
         )
     return out
@@ -104,9 +114,12 @@ def report(results: dict[str, Any], *, command: str, machine: str, image: str | 
         ),
         "",
         "Rate: units per second of one timed repetition (median over repetitions, min, max, spread = "
-        "(max-min)/median). vs DDP: ratio to PyTorch DDP 2 x 1 thread in this run. Scaling efficiency: "
-        "rate / (processes x threads x the rate of one process with 1 thread). Every configuration "
-        "trains the same model from the same weights on the same synthetic global batch.",
+        "(max-min)/median). The configurations are measured in interleaved rounds (each runs its "
+        "repetitions once per round, the order rotating), because this machine's speed drifts within "
+        "minutes; ratios are paired: per round, then the median over rounds. vs DDP: ratio to PyTorch "
+        "DDP 2 x 1 thread. Scaling efficiency: ratio to one process with 1 thread / (processes x "
+        "threads). Every configuration trains the same model from the same weights on the same "
+        "synthetic global batch.",
     ]
     for name, result in results["throughput"].items():
         parts += ["", f"### {result.get('description', name)}", "", throughput_table(result)]

@@ -1,10 +1,11 @@
 """``spread bench``: every synchronous configuration side by side in one run, and the all-reduces.
 
-Runs the scripts of the checkout's ``benchmarks/`` folder, one subprocess per job (so thread
-settings and process groups never leak between configurations), collects their JSON, prints the
-tables, and writes a generated section of ``docs/benchmarks.md`` and a PNG plot under ``docs/img/``.
-``--calibrate`` measures this machine for ``spread plan`` instead. Torch is imported only by the
-jobs (and by ``--calibrate``).
+Runs the scripts of the checkout's ``benchmarks/`` folder: one job per workload builds every
+configuration once and measures them in interleaved rounds (the machine's drift then hits all
+alike; see ``benchmarks/throughput.py``). Collects their JSON, prints the tables, and writes a
+generated section of ``docs/benchmarks.md`` and a PNG plot under ``docs/img/``. ``--calibrate``
+measures this machine for ``spread plan`` instead. Torch is imported only by the jobs (and by
+``--calibrate``).
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ Measure W1 (dense MLP) and W2 (small GPT) training throughput under: one process
 threads, MirroredStrategy with 2 replicas (every cross_device_ops), PyTorch DDP 2 x 1 thread and
 MultiWorkerMirroredStrategy 2 x 1 thread with every communication algorithm, and (W1, when
 tensorflow is installed, not with --quick) TensorFlow's MultiWorkerMirroredStrategy 2 x 1 thread;
-then the all-reduce microbenchmark (4 KB to 64 MB, every algorithm vs gloo's own). Prints the
-tables and writes them, with the command, machine line and a plot, into docs/benchmarks.md (a
-generated section) and docs/img/. Timings are only comparable within one run on a quiet machine."""
+then the all-reduce microbenchmark (4 KB to 64 MB, every algorithm vs gloo's own). The
+configurations of a workload take turns in interleaved rounds and the ratios are paired by round,
+because this machine's speed drifts within minutes. Prints the tables and writes them, with the
+command, machine line and a plot, into docs/benchmarks.md (a generated section) and docs/img/.
+Timings are only comparable within one run on a quiet machine."""
 
 _EPILOG = """\
 examples:
   spread bench                               the full run (about 10 minutes on 2 cores)
   spread bench --quick --doc /tmp/b.md       tiny models, seconds: a smoke test of the tooling
-  spread bench --workloads W1 --reps 3       W1 only, fewer repetitions
+  spread bench --workloads W1 --rounds 2     W1 only, fewer rounds
   spread bench --calibrate --output cal.json measure latency/bandwidth/compute for `spread plan`"""
 
 DEFAULT_CALIBRATION = "spread-calibration.json"
@@ -53,7 +56,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny models and sizes (smoke test)")
     parser.add_argument("--workloads", default=None, help="comma-separated: W1,W2 (default; --quick: W1)")
     parser.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce microbenchmark")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, W2 5)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds over all configurations (default 4)"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per round (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps per repetition (default 5, W2 3)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, W2 2)")
     parser.add_argument(
@@ -173,19 +179,16 @@ def run(args: argparse.Namespace) -> int:
     }
     for name in workloads:
         w2 = name == "W2"
-        reps = args.reps or (1 if args.quick else 5 if w2 else 7)
+        rounds = args.rounds or (1 if args.quick else 4)
+        reps = args.reps or (1 if args.quick else 2)
         steps = args.steps or (1 if args.quick else 3 if w2 else 5)
         warmup = args.warmup or (1 if args.quick else 2 if w2 else 3)
-        common = ["--workload", name, "--reps", str(reps), "--steps", str(steps), "--warmup", str(warmup)]
-        common += ["--quick"] if args.quick else []
-        single = _job(folder / "throughput.py", [*common, "--job", "single"], args.timeout)
-        ranks = _job(folder / "throughput.py", [*common, "--job", "ranks"], args.timeout)
-        merged = {**single, "rows": single["rows"] + ranks["rows"]}
-        if name == "W1":  # TensorFlow's MWMS, or a row saying why not (not installed, --quick)
-            tf = _job(folder / "throughput.py", [*common, "--job", "tensorflow"], args.timeout)
-            merged["rows"] += tf["rows"]
+        common = ["--workload", name, "--rounds", str(rounds), "--reps", str(reps)]
+        common += ["--steps", str(steps), "--warmup", str(warmup)] + (["--quick"] if args.quick else [])
+        merged = _job(folder / "throughput.py", [*common, "--job", "all"], args.timeout)
         merged["description"] = (
-            f"{single.get('description', name)}; {reps} reps x {steps} steps after {warmup} warm-up"
+            f"{merged.get('description', name)}; {rounds} interleaved rounds x {reps} reps x {steps} "
+            f"steps, after {warmup} warm-up"
         )
         results["throughput"][name] = merged
         print(f"\n{merged['description']}\n{report.throughput_table(merged)}", flush=True)
