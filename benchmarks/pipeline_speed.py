@@ -1,7 +1,7 @@
 """Pipeline throughput: spread's PipelineStrategy (S=2) vs one process vs torch.distributed.pipelining.
 
     flock /tmp/spread-bench.lock python benchmarks/pipeline_speed.py [--workloads mlp,w2]
-        [--microbatches 4] [--reps 5] [--steps 3] [--bind spread|both|none] [--quick]
+        [--rounds 4] [--microbatches 4] [--reps 5] [--steps 3] [--bind spread|both|none] [--quick]
 
 Workloads (``benchmarks/block_workloads.py`` for W2, so both pipelines split the same
 ``nn.Sequential``):
@@ -25,8 +25,21 @@ CPU binding (``--bind``): spread binds each stage process to its own CPU by defa
 see how much of the difference is the binding); ``none`` turns spread's binding off.
 
 Each configuration: 2 warm-up steps, then ``reps`` timed repetitions of ``steps`` steps (barrier
-before and after); the median repetition is reported with the spread (min..max) and the ratio to
-torch's ScheduleGPipe with the layer-count split.
+before and after; process start-up and partitioning stay outside the timed part).
+
+Interleaved rounds (``--rounds R``): this VM's speed drifts by 20-45% within minutes, so measuring
+each configuration in one block, one after the other, ranks whichever ran in a fast minute. Instead,
+in each of ``R`` rounds every configuration runs once, in an order that rotates (and reverses every
+other round) so that each one runs early, late and next to different neighbours. Reported per
+configuration: the median rate over all its timed repetitions of all rounds (min..max), and its
+ratios to torch's schedules as *paired* ratios: per round, the configuration's median repetition over
+the torch configuration's median repetition *of the same round*, then the median (min..max) over the
+rounds. Drift between rounds cancels in the pairing; drift within a round only where neighbours differ.
+
+torch's rows "at spread's split" use the split spread's partitioner picks, computed once in this
+process before the rounds (``spread.pipeline.partition``, 1 thread, on the first micro-batch, as
+rank 0 does); spread's own runs measure their split anew each time, and the table shows every split
+they chose.
 """
 
 from __future__ import annotations
@@ -37,6 +50,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -161,9 +176,128 @@ def _split(first: int, model: nn.Module) -> str:
     return f"split {first}/{len(model) - first}"
 
 
-def summarise(times: list[float], samples: int) -> tuple[float, float, float]:
-    rates = sorted(samples / t for t in times)
-    return statistics.median(rates), rates[0], rates[-1]
+@dataclass
+class Config:
+    """One configuration of the comparison and everything measured for it, round by round."""
+
+    key: str  # short name the ratios refer to
+    label: str
+    measure: Callable[[], dict]  # runs it once: {"times": [...], "note": ... (spread only)}
+    rates: list[list[float]] = field(default_factory=list)  # per round, per repetition
+    notes: set[str] = field(default_factory=set)  # spread only: the split and binding of each run
+
+    def round_rate(self, r: int) -> float:
+        return statistics.median(self.rates[r])
+
+
+def round_order(n: int, r: int, rounds: int) -> list[int]:
+    """Configuration indices for round ``r``: rotated by ``r * n / rounds`` so each configuration
+    takes evenly spaced positions over the rounds, reversed in odd rounds so neighbours change."""
+    offset = (r * n) // max(rounds, 1)
+    order = [(i + offset) % n for i in range(n)]
+    return order[::-1] if r % 2 else order
+
+
+def paired_ratio(config: Config, reference: Config) -> tuple[float, float, float]:
+    """Median (min, max) over rounds of the two configurations' same-round median rates' ratio."""
+    ratios = sorted(config.round_rate(r) / reference.round_rate(r) for r in range(len(config.rates)))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
+def spread_split(name: str, microbatches: int, quick: bool) -> int:
+    """The split spread's partitioner picks (first layer of stage 1), measured here with 1 thread."""
+    from spread.pipeline import partition
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _, _, x, _, _, _ = make_workload(name, quick)
+        bounds = partition(list(model), 2, sample=torch.tensor_split(x, microbatches)[0])
+    finally:
+        torch.set_num_threads(threads)
+    return bounds[0][1]
+
+
+def build_configs(name: str, args: argparse.Namespace) -> list[Config]:
+    """Every configuration of one workload, as closures that run it once in fresh processes."""
+    model = make_workload(name, args.quick)[0]
+    spread_bind, bind_t = args.bind != "none", args.bind == "both"
+    common = dict(timeout=900, init_timeout=120, collective_timeout=300)
+    timing = (args.quick, args.steps, args.reps)
+    configs = [
+        Config(f"one{t}", f"one process, {t} thread(s)", lambda t=t: {"times": one_process(name, t, *timing)})
+        for t in (1, 2)
+    ]
+    for schedule in ("gpipe", "1f1b"):
+
+        def run_spread(schedule: str = schedule) -> dict:
+            wargs = (name, schedule, args.microbatches, *timing, spread_bind)
+            out = run_ranks(spread_worker, 2, args=wargs, **common)[0]
+            bound = "bound" if out["cpus"] is not None else "unbound"
+            return {"times": out["times"], "note": f"{_split(out['bounds'][0][1], model)}, {bound}"}
+
+        configs.append(Config(f"spread-{schedule}", f"spread PipelineStrategy {schedule}", run_spread))
+    balanced, by_count = spread_split(name, args.microbatches, args.quick), len(model) // 2
+    for schedule, cls in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
+        for split, how, tag in ((by_count, "layer count", "count"), (balanced, "spread's split", "spread")):
+
+            def run_torch(schedule: str = schedule, split: int = split) -> dict:
+                wargs = (name, schedule, args.microbatches, split, *timing, bind_t)
+                return run_ranks(torch_worker, 2, args=wargs, **common)[0]
+
+            label = f"torch.distributed.pipelining {cls}, {_split(split, model)} ({how})"
+            configs.append(
+                Config(f"torch-{schedule}-{tag}", label + (", bound" if bind_t else ""), run_torch)
+            )
+    return configs
+
+
+def run_rounds(configs: list[Config], rounds: int, samples: int) -> None:
+    """Run every configuration once per round, in :func:`round_order`, recording rates per round."""
+    for r in range(rounds):
+        order = round_order(len(configs), r, rounds)
+        print(f"# round {r + 1}/{rounds}: {' '.join(configs[i].key for i in order)}", flush=True)
+        for i in order:
+            config = configs[i]
+            torch.set_num_threads(os.cpu_count() or 1)
+            out = config.measure()
+            config.rates.append([samples / t for t in out["times"]])
+            if "note" in out:
+                config.notes.add(out["note"])
+
+
+def _ratio_cell(config: Config, reference: Config | None) -> str:
+    if reference is None:
+        return ""
+    med, lo, hi = paired_ratio(config, reference)
+    return f"{med:.2f}x ({lo:.2f}..{hi:.2f})"
+
+
+def report(name: str, unit: str, configs: list[Config], args: argparse.Namespace) -> None:
+    """The table: rates over all rounds, and paired ratios to torch's schedules (layer-count split)
+    and, for spread's rows, to torch's same schedule at the same split."""
+    by_key = {c.key: c for c in configs}
+    rounds = len(configs[0].rates)
+    print(
+        f"\n## {name}: {unit}, median (min..max) of {rounds} rounds x {args.reps} reps; ratios: median "
+        f"(min..max) over rounds of same-round ratios"
+    )
+    print(
+        f"| configuration | {unit} | vs torch GPipe (layer count) | vs torch 1F1B (layer count) | "
+        "vs torch same schedule at spread's split |\n| --- | ---: | ---: | ---: | ---: |"
+    )
+    for config in configs:
+        rates = sorted(x for per_round in config.rates for x in per_round)
+        label = ", ".join([config.label, *sorted(config.notes)])
+        same = None
+        if config.key.startswith("spread-"):
+            same = by_key[f"torch-{config.key.removeprefix('spread-')}-spread"]
+        print(
+            f"| {label} | {statistics.median(rates):,.0f} ({rates[0]:,.0f}..{rates[-1]:,.0f}) | "
+            f"{_ratio_cell(config, by_key['torch-gpipe-count'])} | "
+            f"{_ratio_cell(config, by_key['torch-1f1b-count'])} | {_ratio_cell(config, same)} |"
+        )
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -171,86 +305,27 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workloads", default="mlp,w2")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every configuration")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration and round")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
     parser.add_argument(
         "--bind", choices=("spread", "both", "none"), default="spread", help="which stages bind CPUs"
     )
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke test, not a measurement")
     args = parser.parse_args()
+    if args.rounds < 1 or args.reps < 1 or args.steps < 1:
+        parser.error("--rounds, --reps and --steps must be at least 1")
     print(
         f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, M={args.microbatches}, steps={args.steps}, reps={args.reps}, "
-        f"bind={args.bind}"
+        f"torch {torch.__version__}, M={args.microbatches}, rounds={args.rounds}, steps={args.steps}, "
+        f"reps={args.reps}, bind={args.bind}"
     )
-    spread_bind, bind_t = args.bind != "none", args.bind == "both"
-    common = dict(timeout=900, init_timeout=120, collective_timeout=300)
     for name in args.workloads.split(","):
-        model, _, _, x, _, per_sample, unit = make_workload(name, args.quick)
-        samples = args.steps * x.shape[0] * per_sample
-        rows: list[tuple[str, list[float]]] = []
-        for threads in (1, 2):
-            rows.append(
-                (
-                    f"one process, {threads} thread(s)",
-                    one_process(name, threads, args.quick, args.steps, args.reps),
-                )
-            )
-        torch.set_num_threads(os.cpu_count() or 1)
-        balanced = None
-        for schedule in ("gpipe", "1f1b"):
-            out = run_ranks(
-                spread_worker,
-                2,
-                args=(name, schedule, args.microbatches, args.quick, args.steps, args.reps, spread_bind),
-                **common,
-            )
-            balanced = out[0]["bounds"]
-            bound = "bound" if out[0]["cpus"] is not None else "unbound"
-            rows.append(
-                (
-                    f"spread PipelineStrategy {schedule}, {_split(balanced[0][1], model)}, {bound}",
-                    out[0]["times"],
-                )
-            )
-        by_count = len(model) // 2
-        for schedule, label in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
-            for split, how in ((by_count, "layer count"), (balanced[0][1], "spread's split")):
-                out = run_ranks(
-                    torch_worker,
-                    2,
-                    args=(
-                        name,
-                        schedule,
-                        args.microbatches,
-                        split,
-                        args.quick,
-                        args.steps,
-                        args.reps,
-                        bind_t,
-                    ),
-                    **common,
-                )
-                bound = ", bound" if bind_t else ""
-                rows.append(
-                    (
-                        f"torch.distributed.pipelining {label}, {_split(split, model)} ({how}){bound}",
-                        out[0]["times"],
-                    )
-                )
-        reference = dict(rows)[
-            f"torch.distributed.pipelining ScheduleGPipe, {_split(by_count, model)} (layer count)"
-            + (", bound" if bind_t else "")
-        ]
-        ref_rate = summarise(reference, samples)[0]
-        print(f"\n## {name}: {unit}, median (min..max) of {args.reps} reps")
-        print("ratio: against torch's ScheduleGPipe with the layer-count split")
-        print(f"| configuration | {unit} | ratio |\n| --- | ---: | ---: |")
-        for label, times in rows:
-            med, lo, hi = summarise(times, samples)
-            print(f"| {label} | {med:,.0f} ({lo:,.0f}..{hi:,.0f}) | {med / ref_rate:.2f}x |")
-        sys.stdout.flush()
+        _, _, _, x, _, per_sample, unit = make_workload(name, args.quick)
+        configs = build_configs(name, args)
+        run_rounds(configs, args.rounds, args.steps * x.shape[0] * per_sample)
+        report(name, unit, configs, args)
 
 
 if __name__ == "__main__":
