@@ -101,9 +101,10 @@ def test_pipeline_step_time_by_hand():
 
 def test_parameter_server_rate_by_hand():
     link = Link(0.0, 1e9)
-    # 2 workers, 1 server, 100 MB each way, 0.1 s compute: worker step 0.1 + 0.2 = 0.3 s;
-    # server busy 0.2 s transfer + 0.025 s apply per step -> 512 / 0.225 = 2275.6 samples/s cap;
-    # workers alone would do 2 * 512 / 0.3 = 3413 -> the server caps it.
+    # 2 workers, 1 server, 100 MB each way, 0.1 s compute: worker step 0.1 + 0.2 transfer + 0.025
+    # apply of its own push (the answer waits for it) = 0.325 s; server busy 0.2 s transfer + 0.025 s
+    # apply per step -> 512 / 0.225 = 2275.6 samples/s cap; workers alone would do 2 * 512 / 0.325 =
+    # 3151 -> the server caps it.
     step, rate = parameter_server_rate(
         worker_compute_s=0.1,
         batch_per_worker=512,
@@ -113,9 +114,10 @@ def test_parameter_server_rate_by_hand():
         link=link,
         server_apply_bytes_per_s=4e9,
     )
-    assert step == pytest.approx(0.3)
+    assert step == pytest.approx(0.325)
     assert rate == pytest.approx(512 / 0.225)
-    # Two servers halve their load: the workers become the limit.
+    # Two servers halve their load (0.1125 s each, 4551 samples/s): the workers become the limit,
+    # each step 0.1 + 0.2 + 0.0125 s.
     _, rate2 = parameter_server_rate(
         worker_compute_s=0.1,
         batch_per_worker=512,
@@ -125,7 +127,7 @@ def test_parameter_server_rate_by_hand():
         link=link,
         server_apply_bytes_per_s=4e9,
     )
-    assert rate2 == pytest.approx(2 * 512 / 0.3)
+    assert rate2 == pytest.approx(2 * 512 / 0.3125)
 
 
 def test_memory_terms():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from spread.plan.advisor import PlanError, make_plan
@@ -198,7 +200,8 @@ def test_a_parameter_server_that_mostly_waits_does_not_time_slice_the_workers():
     # Chief + worker + server on a 2-core node (1 thread each, 50 samples per worker step = 50 ms
     # alone). A server of touched rows (1 KB per step) is busy ~0% of the time: 2 busy processes on
     # 2 cores, no time-slicing. A server applying 10 MB of dense weights per worker step at 0.1 GB/s
-    # (100 ms) is busy all the time: 3 busy processes on 2 cores, 1.5x.
+    # (100 ms; no optimizer profiled, so the cluster's generic rate) is busy all the time: 3 busy
+    # processes on 2 cores, 1.5x.
     c = Candidate("parameter_server", 3, (("servers", 1),))
     rows = _profile(
         param_bytes=400 * MB, sparse_bytes=400 * MB, sparse_row_bytes=100.0, sparse_rows_per_sample=0.2
@@ -206,8 +209,42 @@ def test_a_parameter_server_that_mostly_waits_does_not_time_slice_the_workers():
     idle_server = predict(c, rows, _cluster(devices_per_node=3), Options(global_batch=100))
     assert idle_server.parts["compute"] == pytest.approx(0.05, rel=1e-3)
     dense = _cluster(devices_per_node=3, server_apply_bytes_per_s=1e8)
-    busy_server = predict(c, _profile(), dense, Options(global_batch=100))
+    busy_server = predict(c, _profile(optimizer_seconds=0.0), dense, Options(global_batch=100))
     assert busy_server.parts["compute"] == pytest.approx(1.5 * 0.05)
+    # The two workers are separate replicas computing at once: a measured contention of 1.2 at 2
+    # replicas slows each one's 50 ms to 60 ms.
+    crowded = predict(c, replace(rows, contention={2: 1.2}), _cluster(devices_per_node=3), Options(100))
+    assert crowded.parts["compute"] == pytest.approx(0.06, rel=1e-3)
+
+
+def test_a_parameter_server_applies_at_the_rate_of_the_models_own_optimizer():
+    # The profile timed this model's optimizer over its 10 MB at 200 ms on 1 thread (a dense AdamW
+    # is far slower than a memory copy), so a server applies 10 MB per push in 200 ms whatever the
+    # cluster's generic rate. Chief + worker + server, 2 cores, 1 thread each, 50 samples per worker:
+    # while the server applies, the pushing worker waits: 2 busy processes, no time-slicing.
+    # Server per push: 2 x 10 MB / 1.2 GB/s = 16.67 ms transfer + 200 ms apply = 216.67 ms;
+    # a worker's cycle 50 + 16.67 + 200 ms: 2 workers keep the server busy (utilisation 1) ->
+    # 3 busy processes on 2 cores, compute 1.5 x 50 = 75 ms. Worker step: 75 ms + 2 x (0.1 ms +
+    # 8.33 ms) + 200 ms = 291.87 ms; the server caps the job at 50 / 0.21667 = 230.8 samples/s.
+    profile = _profile(optimizer_by_threads={1: 0.2, 2: 0.15})
+    c = Candidate("parameter_server", 3, (("servers", 1),))
+    for generic in (1e8, 1e12):
+        p = predict(c, profile, _cluster(devices_per_node=3, server_apply_bytes_per_s=generic), Options(100))
+        assert p.parts["compute"] == pytest.approx(0.075)
+        assert p.step_seconds == pytest.approx(0.075 + 2 * (1e-4 + 10 * MB / 1.2e9) + 0.2)
+        assert p.samples_per_second == pytest.approx(50 / (2 * 10 * MB / 1.2e9 + 0.2))
+    # Chief + 2 workers + server, 150 samples (50 per worker): 3 workers on 2 cores, 1.5x (75 ms);
+    # while the server applies, 2 workers compute beside it: 3 busy, its 200 ms update takes 300 ms.
+    # Busy all the time -> 4 busy processes, compute 2 x 50 = 100 ms.
+    # Worker step 100 ms + 2 x (0.1 + 8.33) ms + 300 ms.
+    four = predict(
+        Candidate("parameter_server", 4, (("servers", 1),)),
+        profile,
+        _cluster(devices_per_node=4),
+        Options(global_batch=150),
+    )
+    assert four.parts["compute"] == pytest.approx(0.1)
+    assert four.step_seconds == pytest.approx(0.1 + 2 * (1e-4 + 10 * MB / 1.2e9) + 0.3)
 
 
 def test_candidates_respect_the_cluster():

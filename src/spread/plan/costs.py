@@ -185,15 +185,16 @@ def parameter_server_rate(
     """``(step_seconds_per_worker, samples_per_second)`` of parameter-server training.
 
     Each worker step pulls and pushes ``bytes_per_step`` (dense parameters plus the touched rows of
-    sparse tables), spread evenly over ``servers``. A worker's step is compute plus its pull and push
-    over its own link; the servers together can absorb ``servers * beta / (2 * bytes)`` steps per
-    second (plus applying the update), which caps the job when many workers share few servers.
+    sparse tables), spread evenly over ``servers``. A worker's step is compute, its pull and push
+    over its own link, and the servers applying its push (the answer carries the values updated by
+    it); the servers together can absorb ``servers * beta / (2 * bytes)`` steps per second (plus
+    applying the update), which caps the job when many workers share few servers.
     Synchronous mode waits for all workers' pushes at the servers before the next pull.
     """
     if workers < 1 or servers < 1:
         raise ValueError(f"need at least one worker and one server, got {workers} and {servers}")
     transfer = 2.0 * (servers * link.alpha + bytes_per_step / link.beta)
-    worker_step = worker_compute_s + transfer
+    worker_step = worker_compute_s + transfer + bytes_per_step / (servers * server_apply_bytes_per_s)
     server_busy = server_seconds_per_step(bytes_per_step, servers, link, server_apply_bytes_per_s)
     if synchronous:
         step = worker_compute_s + 2.0 * servers * link.alpha + workers * server_busy

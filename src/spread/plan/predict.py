@@ -256,6 +256,22 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     return step, o.global_batch / step, memory, note, parts
 
 
+def _server_apply_rate(p: ModelProfile, cl: ClusterModel, processes_per_node: int, busy: float) -> float:
+    """Bytes/s a parameter server updates at: this model's optimizer as the profile timed it.
+
+    A server runs the job's optimizer (element-wise, torch's single-tensor formulas) over the bytes
+    each push carries, at its process's share of the cores; the profile timed that optimizer over
+    all ``param_bytes`` per thread count. A dense AdamW update is ~20x slower than the memory copy
+    the calibration's generic ``server_apply_bytes_per_s`` describes (W2: ~25 ms against ~1 ms per
+    push), which is the fallback when no optimizer was profiled. ``busy``: processes computing
+    while the server applies (the pushing worker waits for the answer), for time-slicing.
+    """
+    seconds = _optimizer(p, cl, processes_per_node, 1, busy=max(1.0, busy))
+    if seconds <= 0 or p.param_bytes <= 0:
+        return cl.server_apply_bytes_per_s
+    return p.param_bytes / seconds
+
+
 def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     servers = c.get("servers", 1)
     workers = c.devices - servers
@@ -269,13 +285,19 @@ def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Option
     link = cl.link("ps")
     # Processes busy at once on a node: the workers, and each server for the share of the time it
     # serves them (a server of touched embedding rows mostly waits; one of dense weights may not).
+    # The workers are separate replicas computing at once: the measured contention slows each.
     on_node = min(c.devices, cl.devices_per_node)
     workers_on_node = on_node * workers / c.devices
-    alone = _compute(p, cl, per_worker, on_node, o.accumulation_steps, busy=workers_on_node)
-    serving = server_seconds_per_step(moved, servers, link, cl.server_apply_bytes_per_s)
-    utilisation = min(1.0, workers * serving / max(alone + 2.0 * moved / link.beta, 1e-12))
-    busy = workers_on_node + on_node * servers / c.devices * utilisation
-    compute = _compute(p, cl, per_worker, on_node, o.accumulation_steps, busy=busy)
+    servers_on_node = on_node * servers / c.devices
+    concurrent = max(1, round(workers_on_node))
+    k = o.accumulation_steps
+    alone = _compute(p, cl, per_worker, on_node, k, concurrent=concurrent, busy=workers_on_node)
+    apply_rate = _server_apply_rate(p, cl, on_node, workers_on_node - 1.0 + servers_on_node)
+    serving = server_seconds_per_step(moved, servers, link, apply_rate)
+    cycle = alone + 2.0 * moved / link.beta + moved / (servers * apply_rate)
+    utilisation = min(1.0, workers * serving / max(cycle, 1e-12))
+    busy = workers_on_node + servers_on_node * utilisation
+    compute = _compute(p, cl, per_worker, on_node, k, concurrent=concurrent, busy=busy)
     step, rate = parameter_server_rate(
         worker_compute_s=compute,
         batch_per_worker=int(per_worker),
@@ -283,7 +305,7 @@ def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Option
         servers=servers,
         bytes_per_step=moved,
         link=link,
-        server_apply_bytes_per_s=cl.server_apply_bytes_per_s,
+        server_apply_bytes_per_s=apply_rate,
         synchronous=c.get("mode", "async") == "sync",
     )
     worker_memory = data_parallel_memory(
