@@ -50,6 +50,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -184,7 +185,7 @@ class Config:
     label: str
     measure: Callable[[], dict]  # runs it once: {"times": [...], "note": ... (spread only)}
     rates: list[list[float]] = field(default_factory=list)  # per round, per repetition
-    notes: set[str] = field(default_factory=set)  # spread only: the split and binding of each run
+    notes: list[str] = field(default_factory=list)  # spread only: the split and binding of each run
 
     def round_rate(self, r: int) -> float:
         return statistics.median(self.rates[r])
@@ -263,7 +264,15 @@ def run_rounds(configs: list[Config], rounds: int, samples: int) -> None:
             out = config.measure()
             config.rates.append([samples / t for t in out["times"]])
             if "note" in out:
-                config.notes.add(out["note"])
+                config.notes.append(out["note"])
+
+
+def _count_notes(notes: list[str]) -> list[str]:
+    """``["split 8/9, bound"]`` when every run agreed, else each note with its count of runs."""
+    counts = Counter(notes)
+    if len(counts) == 1:
+        return list(counts)
+    return [f"{note} ({n} of {len(notes)} runs)" for note, n in sorted(counts.items())]
 
 
 def _ratio_cell(config: Config, reference: Config | None) -> str:
@@ -288,7 +297,7 @@ def report(name: str, unit: str, configs: list[Config], args: argparse.Namespace
     )
     for config in configs:
         rates = sorted(x for per_round in config.rates for x in per_round)
-        label = ", ".join([config.label, *sorted(config.notes)])
+        label = ", ".join([config.label, *_count_notes(config.notes)])
         same = None
         if config.key.startswith("spread-"):
             same = by_key[f"torch-{config.key.removeprefix('spread-')}-spread"]
