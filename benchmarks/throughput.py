@@ -24,7 +24,7 @@ Every configuration: the workload's model (same seed), optimizer and synthetic g
 ``steps`` steps (ranks meet at a barrier around each repetition). A repetition's rate is units
 (samples or tokens) per second.
 
-    python benchmarks/throughput.py --workload W1 --job all [--quick] [--rounds 4 --reps 2 --steps 5]
+    python benchmarks/throughput.py --workload W1 --job all [--quick] [--rounds 6 --reps 1 --steps 5]
 
 ``--job tensorflow`` runs the TensorFlow row alone.
 """
@@ -307,8 +307,8 @@ def main() -> None:
     parser.add_argument("--job", default="all", choices=["all", "tensorflow"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=2, help="timed repetitions per round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=1, help="timed repetitions per round")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="write the result here instead of stdout")

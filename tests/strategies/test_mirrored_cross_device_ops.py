@@ -105,3 +105,30 @@ def test_sparse_gradients_are_refused_with_the_way_out():
             strategy.run(lambda i: table(i).sum().backward(), args=(batch,))
     finally:
         strategy.close()
+
+
+@pytest.mark.parametrize("global_batch", [8, 7])  # 7 over 2 replicas: unequal shares
+def test_accumulate_weights_fresh_and_accumulated_gradients_like_one_device(global_batch):
+    """``accumulate`` weights the summed gradient once after the replicas when the shares are equal
+    and every ``.grad`` was empty, else per replica as gradients arrive: both equal one device."""
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 2)
+    x = torch.randn(global_batch, 3)
+    nn.functional.mse_loss(reference(x), torch.zeros(global_batch, 2)).backward()
+    want = reference.weight.grad.clone()
+    strategy = spread.MirroredStrategy(num_replicas=2, cross_device_ops="accumulate", intra_op_threads=1)
+    try:
+        with strategy.scope():
+            model = nn.Linear(3, 2)
+        model.load_state_dict(reference.state_dict())
+        dataset = strategy.distribute_dataset((x,), global_batch, shuffle=False)
+
+        def step(xb):
+            nn.functional.mse_loss(model(xb), torch.zeros(xb.shape[0], 2)).backward()
+
+        strategy.run(step, args=next(iter(dataset)))  # each batch carries its replicas' shares
+        assert torch.allclose(model.weight.grad, want, rtol=1e-6, atol=1e-7)
+        strategy.run(step, args=next(iter(dataset)))  # .grad is set: weighted per replica, added
+        assert torch.allclose(model.weight.grad, 2 * want, rtol=1e-6, atol=1e-7)
+    finally:
+        strategy.close()

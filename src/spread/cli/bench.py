@@ -57,9 +57,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--workloads", default=None, help="comma-separated: W1,W2 (default; --quick: W1)")
     parser.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce microbenchmark")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="interleaved rounds over all configurations (default 4)"
+        "--rounds", type=int, default=None, help="interleaved rounds over all configurations (default 6)"
     )
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per round (default 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per round (default 1)")
     parser.add_argument("--steps", type=int, default=None, help="steps per repetition (default 5, W2 3)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, W2 2)")
     parser.add_argument(
@@ -179,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
     }
     for name in workloads:
         w2 = name == "W2"
-        rounds = args.rounds or (1 if args.quick else 4)
-        reps = args.reps or (1 if args.quick else 2)
+        rounds = args.rounds or (1 if args.quick else 6)
+        reps = args.reps or 1  # one repetition per turn: the finest interleaving, the fairest pairs
         steps = args.steps or (1 if args.quick else 3 if w2 else 5)
         warmup = args.warmup or (1 if args.quick else 2 if w2 else 3)
         common = ["--workload", name, "--rounds", str(rounds), "--reps", str(reps)]

@@ -2,9 +2,13 @@
 
 On a CPU the logical devices share the host's memory, so the replicas share one set of parameters:
 each replica thread runs forward and backward on its slice, and autograd's gradient accumulation
-(serialised per parameter by a lock inside PyTorch) sums the replicas' gradients in place; a hook
-weights each replica's gradient by its share of the global batch first. That is the in-process
-all-reduce with no copy at all: ``cross_device_ops="accumulate"`` (what ``"auto"`` means). Each
+(serialised per parameter by a lock inside PyTorch) sums the replicas' gradients in place. Each
+replica's gradient counts by its share of the global batch: when the shares are equal and no
+parameter had a gradient before the step (the usual ``zero_grad(set_to_none=True)`` loop), the sum
+is scaled once in place after the replicas return (one pass over the gradients); otherwise a hook
+weights each replica's gradient as it arrives (one new tensor per replica and parameter). That is
+the in-process all-reduce with no copy at all: ``cross_device_ops="accumulate"`` (what ``"auto"``
+means). Each
 replica gets ``cores // replicas`` intra-op threads so the replicas run side by side instead of
 fighting over the cores.
 
@@ -114,6 +118,8 @@ class MirroredStrategy(Strategy):
             ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="spread-replica") if n > 1 else None
         )
         self._hooks: list[Any] = []
+        self._weighted: list[nn.Parameter] = []  # parameters whose replica gradients get weighted
+        self._scale_after: float | None = None  # set inside run: weight the summed .grad once, after
         self._lock = threading.Lock()
 
     @property
@@ -140,6 +146,7 @@ class MirroredStrategy(Strategy):
         if self.cross_device_ops == "accumulate":
             for p in params:
                 if p.requires_grad:
+                    self._weighted.append(p)
                     self._hooks.append(p.register_hook(_weight_by_replica_share))
             return
         if self._replica_grads is not None:
@@ -161,6 +168,9 @@ class MirroredStrategy(Strategy):
             finally:
                 _set_replica_context(None)
 
+        # Equal shares on fresh gradients: the sum is weighted once, in place, after the replicas.
+        same = all(w == weights[0] for w in weights) and all(p.grad is None for p in self._weighted)
+        self._scale_after = weights[0] if same and self._weighted else None
         futures = [self._pool.submit(replica, i) for i in range(1, n)] if self._pool else []
         results: list[Any] = [None] * n
         errors: list[tuple[int, BaseException]] = []
@@ -173,6 +183,11 @@ class MirroredStrategy(Strategy):
                 results[i] = future.result()
             except BaseException as exc:
                 errors.append((i, exc))
+        scale, self._scale_after = self._scale_after, None
+        if scale is not None and scale != 1.0:
+            for p in self._weighted:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         if errors:
             if self._replica_grads is not None:
                 self._replica_grads.discard()
@@ -210,6 +225,7 @@ class MirroredStrategy(Strategy):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._weighted.clear()
         if self._replica_grads is not None:
             self._replica_grads.close()
             self._replica_grads = None
@@ -222,7 +238,7 @@ class MirroredStrategy(Strategy):
 def _weight_by_replica_share(grad: torch.Tensor) -> torch.Tensor | None:
     """Scale a replica's gradient by its share of the global batch (only inside strategy.run)."""
     ctx = get_replica_context()
-    if ctx is None or not isinstance(ctx.strategy, MirroredStrategy):
+    if ctx is None or not isinstance(ctx.strategy, MirroredStrategy) or ctx.strategy._scale_after is not None:
         return None
     return grad * ctx.weight
 
