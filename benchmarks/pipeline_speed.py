@@ -60,6 +60,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import block_workloads
 
+from spread.cli._bench_report import round_ratios
 from spread.testing import run_ranks
 
 
@@ -187,9 +188,6 @@ class Config:
     rates: list[list[float]] = field(default_factory=list)  # per round, per repetition
     notes: list[str] = field(default_factory=list)  # spread only: the split and binding of each run
 
-    def round_rate(self, r: int) -> float:
-        return statistics.median(self.rates[r])
-
 
 def round_order(n: int, r: int, rounds: int) -> list[int]:
     """Configuration indices for round ``r``: rotated by ``r * n / rounds`` so each configuration
@@ -201,7 +199,7 @@ def round_order(n: int, r: int, rounds: int) -> list[int]:
 
 def paired_ratio(config: Config, reference: Config) -> tuple[float, float, float]:
     """Median (min, max) over rounds of the two configurations' same-round median rates' ratio."""
-    ratios = sorted(config.round_rate(r) / reference.round_rate(r) for r in range(len(config.rates)))
+    ratios = sorted(round_ratios(config.rates, reference.rates))
     return statistics.median(ratios), ratios[0], ratios[-1]
 
 

@@ -200,14 +200,16 @@ def _all_job(
     lead = rdzv.rank == 0
     label, per_sample = workloads.unit(name, quick=quick)
     units = workloads.make(name, quick=quick)[4] * per_sample
-    visits: dict[int, int] = {}
 
     def timed(step, threads: int, sync=None) -> Callable[[int], list[float]]:
+        """A turn of ``step``: ``warmup`` steps at the first turn, one at each later turn."""
+        warm = [warmup]
+
         def turn(n: int) -> list[float]:
             torch.set_num_threads(threads)
-            first = visits.setdefault(id(step), 0) == 0
-            visits[id(step)] += 1
-            return _time(step, warmup if first else 1, n, steps, units, sync)
+            rates = _time(step, warm[0], n, steps, units, sync)
+            warm[0] = 1
+            return rates
 
         return turn
 

@@ -25,13 +25,17 @@ def _median(rates: list[float]) -> float:
     return statistics.median(rates) if rates else float("nan")
 
 
+def round_ratios(rounds: list[list[float]], reference: list[list[float]]) -> list[float]:
+    """Per interleaved round, the median rate over the reference's median rate in the same round
+    (rounds where either did not run are left out): drift between rounds cancels."""
+    return [_median(a) / _median(b) for a, b in zip(rounds, reference, strict=False) if a and b]
+
+
 def _paired(row: dict[str, Any], ref: dict[str, Any] | None) -> float:
-    """Median over rounds of ``row``'s median / ``ref``'s median in the same round (interleaved runs),
-    else the ratio of the overall medians."""
+    """Median of :func:`round_ratios` (interleaved runs), else the ratio of the overall medians."""
     if ref is None:
         return float("nan")
-    pairs = zip(row.get("rounds") or [], ref.get("rounds") or [], strict=False)
-    ratios = [_median(a) / _median(b) for a, b in pairs if a and b]
+    ratios = round_ratios(row.get("rounds") or [], ref.get("rounds") or [])
     if ratios:
         return statistics.median(ratios)
     return _median(row["rates"]) / _median(ref["rates"]) if ref["rates"] else float("nan")

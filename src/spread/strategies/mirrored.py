@@ -8,9 +8,8 @@ parameter had a gradient before the step (the usual ``zero_grad(set_to_none=True
 is scaled once in place after the replicas return (one pass over the gradients); otherwise a hook
 weights each replica's gradient as it arrives (one new tensor per replica and parameter). That is
 the in-process all-reduce with no copy at all: ``cross_device_ops="accumulate"`` (what ``"auto"``
-means). Each
-replica gets ``cores // replicas`` intra-op threads so the replicas run side by side instead of
-fighting over the cores.
+means). Each replica gets ``cores // replicas`` intra-op threads so the replicas run side by side
+instead of fighting over the cores.
 
 ``cross_device_ops="reduce_to_one"`` or ``"hierarchical_copy"`` give each replica its own flat
 gradient buffer instead: a pre-hook on each parameter's gradient accumulator writes the replica's
