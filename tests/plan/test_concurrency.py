@@ -119,3 +119,28 @@ def test_factor_lookup_and_optimizer_time_by_hand():
     assert profile.optimizer_contention_factor(64) == 2.0
     assert profile.in_process_factor(2) == 1.0  # below every measured count
     assert profile.in_process_factor(3) == 1.2
+
+
+def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
+    import time
+
+    from spread.plan.concurrency import paired_slowdown
+
+    calls = {"alone": 0, "together": 0}
+
+    def alone() -> None:
+        calls["alone"] += 1
+        time.sleep(0.02)
+
+    def together() -> None:
+        calls["together"] += 1
+        time.sleep(0.06)  # sleeping threads overlap: each takes 3x the alone step
+
+    assert paired_slowdown(alone, [together, together], threads=1, repeats=3, cores=2) == pytest.approx(
+        3.0, rel=0.3
+    )
+    assert calls == {"alone": 1 + 3, "together": 2 * (1 + 3)}  # one warm-up each, then one per round
+    # four at once on two cores: half of the 3x is time-slicing, not contention
+    four = paired_slowdown(alone, [together] * 4, threads=1, repeats=2, cores=2)
+    assert four == pytest.approx(1.5, rel=0.3)
+    assert paired_slowdown(together, [alone, alone], threads=1, repeats=2, cores=2) == 1.0  # never below one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -43,3 +43,35 @@ def median_time(fn: Callable[[], None], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(
+    calls: dict[Hashable, Callable[[], None]],
+    repeats: int,
+    before: Callable[[Hashable], None] | None = None,
+) -> dict[Hashable, float]:
+    """Median seconds of each of ``calls``, timed in ``repeats`` interleaved rounds after a warm-up round.
+
+    Why not :func:`median_time` per setting: this VM's speed drifts by tens of percent within minutes,
+    so settings timed one block after another (all of 1 thread, then all of 2 threads) are compared on
+    two different machines, and their ratio (what the planner predicts from) takes the drift. Here each
+    round times every call once, the order rotating from round to round, so drift hits all settings
+    alike. ``before(key)`` runs untimed before each call (for example to set the thread count).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    keys = list(calls)
+    for key in keys:  # warm-up: allocator, kernels, lazy optimizer state
+        if before is not None:
+            before(key)
+        calls[key]()
+    times: dict[Hashable, list[float]] = {key: [] for key in keys}
+    for r in range(repeats):
+        shift = r % len(keys) if keys else 0
+        for key in keys[shift:] + keys[:shift]:
+            if before is not None:
+                before(key)
+            start = time.perf_counter()
+            calls[key]()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(seconds) for key, seconds in times.items()}

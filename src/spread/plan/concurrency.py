@@ -14,13 +14,14 @@ from __future__ import annotations
 import copy
 import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from spread.plan._timing import median_time, same_optimizer, take
+from spread.plan._timing import interleaved_medians, same_optimizer, take
 
 if TYPE_CHECKING:
     from spread.plan.workload import ModelProfile
@@ -42,49 +43,81 @@ def replica_counts(per_node: int, most: int = 6) -> list[int]:
     return counts if len(counts) <= most else [*counts[: most - 1], per_node]
 
 
-def run_together(steps: Sequence[Callable[[], None]], threads: int, repeats: int) -> list[float]:
-    """Median seconds of each of ``steps``, all running at once, one Python thread each.
+def _together_rounds(
+    steps: Sequence[Callable[[], None]], threads: int, repeats: int, between: Callable[[], None] | None = None
+) -> list[list[float]]:
+    """Per round, the seconds of each of ``steps`` run at once (one warm-up round first, untimed).
 
-    torch releases the GIL inside operators, so the threads really compute in parallel. Each step is
-    warmed up, then all start together behind a barrier; ``threads`` intra-op threads (process-wide).
-    An exception in any thread aborts the barrier and is raised here, not lost in the thread.
+    torch releases the GIL inside operators, so the threads really compute in parallel. Every round
+    starts all threads behind a barrier; an exception in any thread aborts the barrier and is raised
+    here, not lost in the thread. ``between`` runs on this thread, alone, before
+    each timed round (the paired measurement of :func:`paired_slowdown`).
     """
-    barrier = threading.Barrier(len(steps))
-    times: list[float] = []  # list.append is atomic: no lock needed
+    rounds: list[list[float]] = []
     errors: list[BaseException] = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for r in range(repeats + 1):
+            if r > 0 and between is not None:
+                between()
+            barrier = threading.Barrier(len(steps))
+            times = [0.0] * len(steps)
 
-    def run(step: Callable[[], None]) -> None:
-        try:
-            step()  # warm-up: allocator, lazy optimizer state
-            barrier.wait(timeout=600)
-            seconds = median_time(step, repeats)
-        except BaseException as exc:
-            barrier.abort()
-            errors.append(exc)
-            return
-        times.append(seconds)
+            def run(i: int, barrier=barrier, times=times) -> None:
+                try:
+                    barrier.wait(timeout=600)
+                    start = time.perf_counter()
+                    steps[i]()
+                    times[i] = time.perf_counter() - start
+                except BaseException as exc:
+                    barrier.abort()
+                    errors.append(exc)
+
+            workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(steps))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if errors:
+                raise errors[0]
+            if r > 0:  # round 0 warms up: allocator, lazy optimizer state
+                rounds.append(times)
+    finally:
+        torch.set_num_threads(previous)
+    return rounds
+
+
+def paired_slowdown(
+    alone: Callable[[], None],
+    together: Sequence[Callable[[], None]],
+    threads: int,
+    repeats: int,
+    cores: int,
+) -> float:
+    """How much slower each of ``together`` runs at once than ``alone`` by itself, >= 1.
+
+    Both are timed in the same rounds (``alone``, then all of ``together`` at once), so the VM's drift
+    within minutes hits both alike; the factor is the median over rounds of (median time together) /
+    (time alone), time-slicing (more steps than ``cores``) removed.
+    """
+    alone_times: list[float] = []
+
+    def time_alone() -> None:
+        start = time.perf_counter()
+        alone()
+        alone_times.append(time.perf_counter() - start)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        workers = [threading.Thread(target=run, args=(s,), daemon=True) for s in steps]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        alone()  # warm-up
     finally:
         torch.set_num_threads(previous)
-    if errors:
-        raise errors[0]
-    return times
-
-
-def _slowdown(together: list[float], alone: float, replicas: int, cores: int) -> float:
-    """Median time together over time alone, time-slicing (more replicas than cores) removed; >= 1."""
-    if alone <= 0:
-        return 1.0
-    time_slicing = max(1.0, replicas / cores)
-    return max(1.0, statistics.median(together) / (alone * time_slicing))
+    rounds = _together_rounds(together, threads, repeats, between=time_alone)
+    ratios = [statistics.median(r) / a for r, a in zip(rounds, alone_times, strict=True)]
+    time_slicing = max(1.0, len(together) / cores)
+    return max(1.0, statistics.median(ratios) / time_slicing)
 
 
 def _backward_step(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], x: Any, y: Any):
@@ -121,10 +154,10 @@ def measure_contention(
     Each copy computes ``batch / replicas`` samples with ``cores // replicas`` threads; the factor is
     their median step over what ``profile`` predicts for one alone.
     """
-    local, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
+    _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
     steps = [_backward_step(copy.deepcopy(model), loss_fn, x, y) for _ in range(replicas)]
-    together = run_together(steps, threads, repeats)
-    return _slowdown(together, profile.compute_seconds(local, threads), replicas, cores)
+    alone = _backward_step(copy.deepcopy(model), loss_fn, x, y)
+    return paired_slowdown(alone, steps, threads, repeats, cores)
 
 
 def measure_optimizer_contention(
@@ -147,12 +180,11 @@ def measure_optimizer_contention(
     """
     _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
     steps = []
-    for _ in range(replicas):
+    for _ in range(replicas + 1):  # the last one steps alone, paired with the others together
         replica = copy.deepcopy(model)
         _backward_step(replica, loss_fn, x, y)()
         steps.append(same_optimizer(optimizer, [p for p in replica.parameters() if p.requires_grad]).step)
-    together = run_together(steps, threads, repeats)
-    return _slowdown(together, profile.optimizer_time(threads), replicas, cores)
+    return paired_slowdown(steps[-1], steps[:-1], threads, repeats, cores)
 
 
 def measure_in_process(
@@ -192,14 +224,20 @@ def measure_in_process(
                 p.grad = None
             strategy.run(replica_step, args=(batch,))
 
+        _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
+        alone = _backward_step(copy.deepcopy(model), loss_fn, x, y)
+        thread_count = {"mirrored": cores, "alone": threads}
         previous = torch.get_num_threads()
-        torch.set_num_threads(cores)
-        try:
-            measured = median_time(step, repeats)
+        try:  # the strategy and one separate replica alone, in the same rounds (drift hits both)
+            medians = interleaved_medians(
+                {"mirrored": step, "alone": alone},
+                repeats,
+                before=lambda key: torch.set_num_threads(thread_count[key]),
+            )
         finally:
             torch.set_num_threads(previous)
     finally:
         strategy.close()
-    local, threads, _, _ = _replica_share(profile, inputs, targets, replicas, cores)
-    separate = profile.compute_seconds(local, threads) * profile.contention_factor(replicas)
-    return _slowdown([measured], separate, replicas, cores)
+    separate = medians["alone"] * profile.contention_factor(replicas)
+    time_slicing = max(1.0, replicas / cores)
+    return max(1.0, medians["mirrored"] / (separate * time_slicing))

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from spread.plan._timing import median_time, same_optimizer, take
+from spread.plan._timing import interleaved_medians, same_optimizer, take
 from spread.plan.concurrency import measure_contention, measure_in_process, measure_optimizer_contention
 
 
@@ -244,10 +244,28 @@ def measure_model(
     small = max(1, batch // 4)
     sizes = sorted({max(1, batch // 16), small, batch})
     curves: dict[int, tuple[tuple[float, float], ...]] = {}
+    most = max(int(t) for t in threads)
+    x, y = take(inputs, batch), take(targets, batch)
+
+    def forward_only() -> None:
+        loss_fn(work(x), y)
+
+    # Every thread count, batch size and optimizer step in one set of interleaved rounds: their
+    # ratios (one process on all cores vs one replica per core) decide the recommendation, and timed
+    # block after block they took the VM's drift (W2 read 1.0-1.3x faster on 2 threads than twice
+    # the 1-thread time, which no machine does).
+    calls: dict[Hashable, Callable[[], None]] = {}
+    for t in sorted({int(t) for t in threads}):
+        for n in sizes:
+            calls[("step", t, n)] = lambda n=n: step(n)
+        if opt is not None:  # each process steps its optimizer at its own share of the cores
+            calls[("optimizer", t)] = opt.step
+    calls[("forward", most)] = forward_only
     try:
-        for t in sorted(threads):
-            torch.set_num_threads(int(t))
-            measured = {n: median_time(lambda n=n: step(n), repeats) for n in sizes}
+        step(batch)  # gradients for the optimizer's first (warm-up) step
+        medians = interleaved_medians(calls, repeats, before=lambda key: torch.set_num_threads(key[1]))
+        for t in sorted({int(t) for t in threads}):
+            measured = {n: medians[("step", t, n)] for n in sizes}
             t_small, t_full = measured[small], measured[batch]
             per_sample = max((t_full - t_small) / (batch - small), 0.0)
             fit = (t_full - per_sample * batch, per_sample)
@@ -258,21 +276,15 @@ def measure_model(
             if fewer and compute[fewer[-1]][0] + compute[fewer[-1]][1] * batch < t_full:
                 # more threads measured slower (busy cores): a process can use fewer
                 fit, curve = compute[fewer[-1]], curves.get(fewer[-1], ())
-            curves[int(t)] = curve
-            compute[int(t)] = fit
-            if opt is not None:  # each process steps its optimizer at its own share of the cores
-                step(batch)
-                seconds = median_time(opt.step, repeats)
+            curves[t] = curve
+            compute[t] = fit
+            if opt is not None:
+                seconds = medians[("optimizer", t)]
                 fewer_opt = [optimizer_by_threads[k] for k in sorted(optimizer_by_threads) if k < t]
-                optimizer_by_threads[int(t)] = min(seconds, fewer_opt[-1]) if fewer_opt else seconds
-        torch.set_num_threads(max(threads))
-        x, y = take(inputs, batch), take(targets, batch)
-
-        def forward_only() -> None:
-            loss_fn(work(x), y)
-
-        forward = median_time(forward_only, repeats)
-        full = median_time(lambda: step(batch), repeats)
+                optimizer_by_threads[t] = min(seconds, fewer_opt[-1]) if fewer_opt else seconds
+        torch.set_num_threads(most)
+        forward = medians[("forward", most)]
+        full = medians[("step", most, batch)]
         backward_fraction = min(max(1.0 - forward / full, 0.0), 0.95) if full > 0 else 0.66
 
         optimizer_bytes = 0.0
