@@ -144,3 +144,17 @@ def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
     four = paired_slowdown(alone, [together] * 4, threads=1, repeats=2, cores=2)
     assert four == pytest.approx(1.5, rel=0.3)
     assert paired_slowdown(together, [alone, alone], threads=1, repeats=2, cores=2) == 1.0  # never below one
+
+
+def test_profiling_with_thread_replicas_leaves_the_thread_count_as_it_was():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+        profile = measure_model(
+            _mlp(), nn.CrossEntropyLoss(), x, y, threads=(1, 2), concurrency=(2,), repeats=1
+        )
+        assert sorted(profile.in_process) == [2]
+        assert torch.get_num_threads() == 2  # MirroredStrategy set 1 per replica while measuring
+    finally:
+        torch.set_num_threads(previous)

@@ -209,6 +209,7 @@ def measure_in_process(
     """
     from spread.strategies.mirrored import MirroredStrategy  # plan sits above strategies
 
+    previous = torch.get_num_threads()  # the strategy sets the process's thread count: restore it after
     strategy = MirroredStrategy(num_replicas=replicas)
     try:
         replica_model = strategy.prepare_model(copy.deepcopy(model))
@@ -226,18 +227,14 @@ def measure_in_process(
 
         _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
         alone = _backward_step(copy.deepcopy(model), loss_fn, x, y)
-        thread_count = {"mirrored": cores, "alone": threads}
-        previous = torch.get_num_threads()
-        try:  # the strategy and one separate replica alone, in the same rounds (drift hits both)
-            medians = interleaved_medians(
-                {"mirrored": step, "alone": alone},
-                repeats,
-                before=lambda key: torch.set_num_threads(thread_count[key]),
-            )
-        finally:
-            torch.set_num_threads(previous)
+        # Each replica gets ``threads`` intra-op threads, as the strategy's ``intra_op_threads="auto"``
+        # gives it (at ``cores`` threads each, two replicas oversubscribed the cores and the factor
+        # read high). The strategy and one separate replica alone run in the same rounds.
+        torch.set_num_threads(threads)
+        medians = interleaved_medians({"mirrored": step, "alone": alone}, repeats)
     finally:
         strategy.close()
+        torch.set_num_threads(previous)
     separate = medians["alone"] * profile.contention_factor(replicas)
     time_slicing = max(1.0, replicas / cores)
     return max(1.0, medians["mirrored"] / (separate * time_slicing))
