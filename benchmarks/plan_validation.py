@@ -133,13 +133,18 @@ def _cells(rows: list[dict], recommend: dict) -> list[dict]:
 
     ``recommend`` maps a row's index to its predicted samples/s. ``close`` also counts a
     recommendation whose measured step is within 5% of the best's (a tie within this machine's noise).
+    In a cell that ``--confirm`` measured again, the best is named among the rows it measured again
+    (the contenders): the others were more than ``lead`` behind the best in the same pass, and their
+    first-pass figure, taken minutes earlier, is not comparable with the later rounds (a machine that
+    slowed in between made a row nobody re-measured look best).
     """
     cells = []
     for key in dict.fromkeys((r["workload"], r["procs"]) for r in rows):
         here = [(i, r) for i, r in enumerate(rows) if (r["workload"], r["procs"]) == key and r["measured_ms"]]
         if not here:
             continue
-        best = min(here, key=lambda t: t[1]["measured_ms"])[1]
+        confirmed = [(i, r) for i, r in here if r.get("confirmed")]
+        best = min(confirmed or here, key=lambda t: t[1]["measured_ms"])[1]
         chosen = max(here, key=lambda t: recommend[t[0]])[1]
         cells.append(
             {
@@ -264,8 +269,9 @@ def _confirm(path: str, rounds: int, steps: int, timeout: float, lead: float = 0
         if len(contenders) < 2:
             continue
         again: dict[int, list[float]] = {id(r): [] for r in contenders}
-        for _ in range(rounds):
-            for row in contenders:
+        for r in range(rounds):  # the order rotates, so no row always runs first or after the same one
+            shift = r % len(contenders)
+            for row in contenders[shift:] + contenders[:shift]:
                 seconds = _measure(row["workload"], _candidate(row), steps, timeout)
                 if seconds is not None:
                     again[id(row)].append(seconds * 1e3)
@@ -273,6 +279,7 @@ def _confirm(path: str, rounds: int, steps: int, timeout: float, lead: float = 0
             if again[id(row)]:
                 row["measurements"] = [row["measured_ms"], *again[id(row)]]
                 row["measured_ms"] = statistics.median(again[id(row)])
+                row["confirmed"] = True
                 row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
         print(
             f"{key}: " + ", ".join(f"{r['config']} {r.get('measurements')}" for r in contenders),

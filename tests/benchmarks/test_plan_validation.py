@@ -1,0 +1,51 @@
+"""``benchmarks/plan_validation.py``'s scoring: which configuration a cell's measured best is, and what
+``--confirm``'s re-measured rounds replace."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from plan_validation import _cells  # noqa: E402
+
+
+def _row(config: str, measured: float, rate: float, **extra) -> dict:
+    return {
+        "workload": "W1",
+        "procs": 2,
+        "config": config,
+        "measured_ms": measured,
+        "predicted_rate": rate,
+        **extra,
+    }
+
+
+def _score(rows: list[dict]) -> dict:
+    (cell,) = _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)})
+    return cell
+
+
+def test_the_recommendation_is_the_fastest_prediction_and_the_best_the_fastest_measurement():
+    cell = _score([_row("a", 100.0, 9.0), _row("b", 90.0, 8.0), _row("c", 130.0, 10.0)])
+    assert (cell["recommended"], cell["measured_best"], cell["hit"]) == ("c", "b", False)
+    assert not cell["close"]  # 130 ms is more than 5% behind 90 ms
+    close = _score([_row("a", 94.0, 9.0), _row("b", 90.0, 8.0)])
+    assert not close["hit"] and close["close"]
+
+
+def test_after_confirm_the_best_is_named_among_the_rows_measured_again():
+    # the first pass: a 102 ms, b 110 ms (contenders, re-measured later at 138 and 150 ms on a
+    # machine that had slowed), c 120 ms (more than 15% behind: not re-measured)
+    rows = [
+        _row("a", 138.0, 10.0, confirmed=True, measurements=[102.0, 137.0, 251.0, 138.0]),
+        _row("b", 150.0, 9.0, confirmed=True, measurements=[110.0, 153.0, 112.0, 150.0]),
+        _row("c", 120.0, 8.0),
+    ]
+    cell = _score(rows)
+    assert cell["measured_best"] == "a" and cell["hit"]  # c's stale 120 ms is not compared
+    # without a confirm pass every row competes with its one measurement
+    for row in rows:
+        row.pop("confirmed", None)
+    assert _score(rows)["measured_best"] == "c"
