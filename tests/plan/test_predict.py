@@ -290,3 +290,15 @@ def test_a_model_that_fits_nowhere_says_what_would_make_it_fit():
     assert "fits on no strategy" in message
     assert "a device with at least" in message
     assert "activation checkpointing" in message and "accumulation_steps=2" in message
+
+
+def test_central_storage_costs_what_mirrored_costs():
+    # Both run thread replicas over one copy of the parameters, autograd summing into it: no copy,
+    # no communication term (CentralStorage used to be charged a reduce-to-one over memory).
+    options = Options(global_batch=100)
+    mirrored = predict(Candidate("mirrored", 2), _profile(), _cluster(), options)
+    central = predict(Candidate("central_storage", 2), _profile(), _cluster(), options)
+    assert central.parts["communication"] == 0.0 and mirrored.parts["communication"] == 0.0
+    assert central.step_seconds == pytest.approx(mirrored.step_seconds)
+    # two replicas of 50 samples on 1 thread each, then one update with both cores
+    assert central.step_seconds == pytest.approx(50 * 1e-3 + 0.01)
