@@ -34,17 +34,6 @@ def same_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter])
     return type(optimizer)(params, **settings)
 
 
-def median_time(fn: Callable[[], None], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()  # warm-up: allocator, kernels, lazy init
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def interleaved_medians(
     calls: dict[Hashable, Callable[[], None]],
     repeats: int,
@@ -52,7 +41,7 @@ def interleaved_medians(
 ) -> dict[Hashable, float]:
     """Median seconds of each of ``calls``, timed in ``repeats`` interleaved rounds after a warm-up round.
 
-    Why not :func:`median_time` per setting: this VM's speed drifts by tens of percent within minutes,
+    Why not each setting's repeats in a block: this VM's speed drifts by tens of percent within minutes,
     so settings timed one block after another (all of 1 thread, then all of 2 threads) are compared on
     two different machines, and their ratio (what the planner predicts from) takes the drift. Here each
     round times every call once, the order rotating from round to round, so drift hits all settings

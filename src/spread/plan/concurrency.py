@@ -50,8 +50,8 @@ def _together_rounds(
 
     torch releases the GIL inside operators, so the threads really compute in parallel. Every round
     starts all threads behind a barrier; an exception in any thread aborts the barrier and is raised
-    here, not lost in the thread. ``between`` runs on this thread, alone, before
-    each timed round (the paired measurement of :func:`paired_slowdown`).
+    here, not lost in the thread. ``between`` runs on this thread, alone, before every round, the
+    warm-up included (the paired measurement of :func:`paired_slowdown`).
     """
     rounds: list[list[float]] = []
     errors: list[BaseException] = []
@@ -59,7 +59,7 @@ def _together_rounds(
     torch.set_num_threads(threads)
     try:
         for r in range(repeats + 1):
-            if r > 0 and between is not None:
+            if between is not None:
                 between()
             barrier = threading.Barrier(len(steps))
             times = [0.0] * len(steps)
@@ -108,16 +108,14 @@ def paired_slowdown(
         alone()
         alone_times.append(time.perf_counter() - start)
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone()  # warm-up
-    finally:
-        torch.set_num_threads(previous)
     rounds = _together_rounds(together, threads, repeats, between=time_alone)
-    ratios = [statistics.median(r) / a for r, a in zip(rounds, alone_times, strict=True)]
-    time_slicing = max(1.0, len(together) / cores)
-    return max(1.0, statistics.median(ratios) / time_slicing)
+    ratios = [statistics.median(r) / a for r, a in zip(rounds, alone_times[1:], strict=True)]  # [0]: warm-up
+    return _beyond_time_slicing(statistics.median(ratios), len(together), cores)
+
+
+def _beyond_time_slicing(slowdown: float, replicas: int, cores: int) -> float:
+    """``slowdown`` without the part time-slicing explains (more replicas than cores), at least 1."""
+    return max(1.0, slowdown / max(1.0, replicas / cores))
 
 
 def _backward_step(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], x: Any, y: Any):
@@ -152,7 +150,7 @@ def measure_contention(
     """Slowdown of each of ``replicas`` copies of ``model`` doing forward+backward at once.
 
     Each copy computes ``batch / replicas`` samples with ``cores // replicas`` threads; the factor is
-    their median step over what ``profile`` predicts for one alone.
+    their median step over one more copy's step alone, timed in the same rounds.
     """
     _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
     steps = [_backward_step(copy.deepcopy(model), loss_fn, x, y) for _ in range(replicas)]
@@ -204,8 +202,9 @@ def measure_in_process(
     gradient is weighted and summed into the shared ``.grad`` under autograd's per-parameter lock,
     and every fresh gradient buffer is allocated in one address space. For a model with a large dense
     gradient that costs far more than separate copies computing side by side. Measured by running
-    the strategy itself on a copy of ``model``; the factor is its forward+backward step over what
-    ``profile`` predicts for separate replicas (compute with :meth:`ModelProfile.contention_factor`).
+    the strategy itself on a copy of ``model``; the factor is its forward+backward step over separate
+    replicas: one replica's step alone, timed in the same rounds, times
+    :meth:`ModelProfile.contention_factor`.
     """
     from spread.strategies.mirrored import MirroredStrategy  # plan sits above strategies
 
@@ -236,5 +235,4 @@ def measure_in_process(
         strategy.close()
         torch.set_num_threads(previous)
     separate = medians["alone"] * profile.contention_factor(replicas)
-    time_slicing = max(1.0, replicas / cores)
-    return max(1.0, medians["mirrored"] / (separate * time_slicing))
+    return _beyond_time_slicing(medians["mirrored"] / separate, replicas, cores)

@@ -244,7 +244,8 @@ def measure_model(
     small = max(1, batch // 4)
     sizes = sorted({max(1, batch // 16), small, batch})
     curves: dict[int, tuple[tuple[float, float], ...]] = {}
-    most = max(int(t) for t in threads)
+    thread_counts = sorted({int(t) for t in threads})
+    most = thread_counts[-1]
     x, y = take(inputs, batch), take(targets, batch)
 
     def forward_only() -> None:
@@ -252,10 +253,10 @@ def measure_model(
 
     # Every thread count, batch size and optimizer step in one set of interleaved rounds: their
     # ratios (one process on all cores vs one replica per core) decide the recommendation, and timed
-    # block after block they took the VM's drift (W2 read 1.0-1.3x faster on 2 threads than twice
-    # the 1-thread time, which no machine does).
+    # block after block they took the VM's drift (W2's 2-thread speed-up over 1 thread read 1.9x to
+    # 2.5x on 2 cores).
     calls: dict[Hashable, Callable[[], None]] = {}
-    for t in sorted({int(t) for t in threads}):
+    for t in thread_counts:
         for n in sizes:
             calls[("step", t, n)] = lambda n=n: step(n)
         if opt is not None:  # each process steps its optimizer at its own share of the cores
@@ -264,7 +265,7 @@ def measure_model(
     try:
         step(batch)  # gradients for the optimizer's first (warm-up) step
         medians = interleaved_medians(calls, repeats, before=lambda key: torch.set_num_threads(key[1]))
-        for t in sorted({int(t) for t in threads}):
+        for t in thread_counts:
             measured = {n: medians[("step", t, n)] for n in sizes}
             t_small, t_full = measured[small], measured[batch]
             per_sample = max((t_full - t_small) / (batch - small), 0.0)
