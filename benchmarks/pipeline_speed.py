@@ -2,6 +2,7 @@
 
     flock /tmp/spread-bench.lock python benchmarks/pipeline_speed.py [--workloads mlp,w2]
         [--rounds 4] [--microbatches 4] [--reps 5] [--steps 3] [--bind spread|both|none] [--quick]
+        [--spread-schedules gpipe,1f1b,zb]
 
 Workloads (``benchmarks/block_workloads.py`` for W2, so both pipelines split the same
 ``nn.Sequential``):
@@ -14,7 +15,10 @@ Configurations, all in this one run, each a fresh set of processes on loopback (
 pipeline stage (2 stages = the 2 cores):
 
 * one process with 1 thread and with 2 threads (the reference);
-* spread ``PipelineStrategy(stages=2, microbatches=M)``, GPipe and 1F1B, balanced by measured time;
+* spread ``PipelineStrategy(stages=2, microbatches=M)``, GPipe, 1F1B and zero bubble (``zb``),
+  balanced by measured time (``--spread-schedules`` picks; ``zb``'s "same schedule" column is
+  torch's Schedule1F1B, the schedule it improves on: torch's zero-bubble schedules need several
+  stages per process, a different model split);
 * ``torch.distributed.pipelining`` ``ScheduleGPipe`` and ``Schedule1F1B`` on the same model, split
   (a) by layer count (half the ``nn.Sequential`` entries per stage, the split a user writes by hand)
   and (b) at spread's balanced split (same work per stage: isolates the runtimes).
@@ -227,7 +231,7 @@ def build_configs(name: str, args: argparse.Namespace) -> list[Config]:
         Config(f"one{t}", f"one process, {t} thread(s)", lambda t=t: {"times": one_process(name, t, *timing)})
         for t in (1, 2)
     ]
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in args.spread_schedules.split(","):
 
         def run_spread(schedule: str = schedule) -> dict:
             wargs = (name, schedule, args.microbatches, *timing, spread_bind)
@@ -298,7 +302,8 @@ def report(name: str, unit: str, configs: list[Config], args: argparse.Namespace
         label = ", ".join([config.label, *_count_notes(config.notes)])
         same = None
         if config.key.startswith("spread-"):
-            same = by_key[f"torch-{config.key.removeprefix('spread-')}-spread"]
+            schedule = config.key.removeprefix("spread-")
+            same = by_key[f"torch-{'1f1b' if schedule == 'zb' else schedule}-spread"]
         print(
             f"| {label} | {statistics.median(rates):,.0f} ({rates[0]:,.0f}..{rates[-1]:,.0f}) | "
             f"{_ratio_cell(config, by_key['torch-gpipe-count'])} | "
@@ -314,6 +319,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="mlp,w2")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every configuration")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--spread-schedules", default="gpipe,1f1b,zb", help="spread's schedules to run")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration and round")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
     parser.add_argument(

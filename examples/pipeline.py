@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb"])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--verbose", type=int, default=0)

@@ -57,6 +57,6 @@ def test_quick_smoke_run_reports_every_configuration(capsys, monkeypatch):
     pipeline_speed.main()
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + 8  # header + one process x2, spread x2, torch x4
+    assert len(rows) == 1 + 9  # header + one process x2, spread x3, torch x4
     assert any(r.startswith("| spread PipelineStrategy 1f1b, split ") for r in rows)
     assert "| torch.distributed.pipelining Schedule1F1B, split " in out

@@ -89,7 +89,11 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
 
 @pytest.mark.parametrize(
     ("stages", "replicas", "schedules"),
-    [(2, 1, ["gpipe", "1f1b"]), (3, 1, ["1f1b", "gpipe+checkpoint"]), (2, 2, ["gpipe", "1f1b"])],
+    [
+        (2, 1, ["gpipe", "1f1b", "zb"]),
+        (3, 1, ["1f1b", "gpipe+checkpoint", "zb", "zb+checkpoint"]),
+        (2, 2, ["gpipe", "1f1b", "zb"]),
+    ],
     ids=["2_stages", "3_stages", "hybrid_2x2"],
 )
 def test_pipeline_equals_one_device(reference, stages, replicas, schedules):

@@ -9,6 +9,10 @@ the micro-batch's share of the global batch, so summed gradients are those of th
 Gradient exchange between data-parallel replicas (hybrid) is left to the caller through ``no_sync``:
 every backward but the stage's last one runs inside it, and the last one triggers the exchange
 (overlapped with that backward by :class:`~spread.comm.GradientReducer`).
+
+Zero-bubble schedules split a backward into ``backward_input`` and ``backward_weight``
+(:class:`~spread.pipeline.split_backward.SplitBackward`); the forward of such a schedule records
+what the split needs, and the weight part counts as the micro-batch's backward above.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 from spread.memory import SavedTensorBytes
 from spread.pipeline.p2p import StageLink
 from spread.pipeline.schedules import Action, Op
+from spread.pipeline.split_backward import MicrobatchGraph, SplitBackward
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 OnLoss = Callable[[int, torch.Tensor, Any, torch.Tensor], None]
@@ -54,6 +59,13 @@ class StageRunner:
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.record = record
         self.last_times = StepTimes()
+        self._split: SplitBackward | None = None  # made at the first zero-bubble step
+
+    def close(self) -> None:
+        """Remove the hooks a zero-bubble schedule put on the stage's modules."""
+        if self._split is not None:
+            self._split.close()
+            self._split = None
 
     def train(
         self,
@@ -70,8 +82,14 @@ class StageRunner:
         ``weights[i]`` is micro-batch i's share of the global batch. Gradients accumulate in ``.grad``.
         Every stage should pass the micro-batches' pipeline inputs (their shapes key the transfers,
         see :mod:`spread.pipeline.p2p`); only the first stage computes on them."""
-        num_backward = sum(1 for a in actions if a.op is Op.BACKWARD)
+        num_backward = sum(1 for a in actions if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
         done_backward = 0
+        split = None
+        if any(a.op is Op.BACKWARD_INPUT for a in actions):
+            if self._split is None:
+                self._split = SplitBackward(self.module)
+            split = self._split
+        graphs: dict[int, MicrobatchGraph] = {}
         received: dict[int, torch.Tensor] = {}
         wants_grad: dict[int, bool] = {}
         outputs: dict[int, torch.Tensor] = {}
@@ -110,10 +128,15 @@ class StageRunner:
             elif a.op is Op.FORWARD:
                 t0 = time.perf_counter()
                 x = inputs[i] if self.is_first else received[i]  # type: ignore[index]
-                with self._meter(x if self.is_first else None) as meter:
+                with (
+                    self._meter(x if self.is_first else None) as meter,
+                    split.forward() if split is not None else nullcontext() as graph,
+                ):
                     out = self.module(x)
                     if self.is_last:
                         loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
+                if graph is not None:
+                    graphs[i] = graph
                 if meter is not None:
                     saved[i] = meter.bytes
                     live_saved += meter.bytes
@@ -137,6 +160,30 @@ class StageRunner:
                         out = outputs.pop(i)
                         if out.requires_grad:
                             torch.autograd.backward(out, grads.pop(i))
+                self._account(times, a, t0)
+            elif a.op is Op.BACKWARD_INPUT:
+                t0 = time.perf_counter()
+                assert split is not None
+                if self.is_last:
+                    root, grad = losses.pop(i) * weights[i], None
+                else:
+                    root, grad = outputs.pop(i), grads.pop(i, None)
+                if root.requires_grad:
+                    stage_input = received.get(i) if wants_grad.get(i) else None
+                    with nullcontext() if no_sync is None else no_sync():
+                        split.backward_input(graphs[i], root, grad, stage_input)
+                self._account(times, a, t0)
+            elif a.op is Op.BACKWARD_WEIGHT:
+                t0 = time.perf_counter()
+                assert split is not None
+                live_saved -= saved.pop(i, 0)
+                done_backward += 1
+                graph = graphs.pop(i)
+                if done_backward == num_backward:  # the exchange (hybrid) follows its last engine call
+                    split.backward_weight(graph, no_sync)
+                else:
+                    with nullcontext() if no_sync is None else no_sync():
+                        split.backward_weight(graph)
                 self._account(times, a, t0)
         self.link.wait_sends()
         times.total = time.perf_counter() - started

@@ -10,6 +10,11 @@ to compute the idle time ("bubble") a schedule implies.
   micro-batches at once. Idle fraction with equal stage times: ``(S-1)/(M+S-1)``.
 * **1F1B** (PipeDream-flush): after ``S-s-1`` warm-up forwards, stage ``s`` alternates one forward
   and one backward, so it holds at most ``S-s`` micro-batches' activations; same bubble, same math.
+* **Zero bubble** (``"zb"``, after Qi et al. 2023, ZB-H1): each backward is split into the input
+  gradient (``backward_input``, which the previous stage waits for) and the weight gradients
+  (``backward_weight``, which nobody waits for, see :mod:`spread.pipeline.split_backward`); the
+  weight parts are moved into the time a stage would otherwise wait. The first stage sends no
+  gradient back, so its whole backward is such deferrable work. Same math, one update per mini-batch.
 
 Sends are non-blocking in the runtime (``isend``), receives block; with that rule both schedules are
 deadlock-free (checked by :func:`simulate` in the tests).
@@ -20,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
 class Op(StrEnum):
@@ -29,6 +34,8 @@ class Op(StrEnum):
     SEND_ACT = "send_act"  # send micro-batch i's output activation to stage s+1
     RECV_GRAD = "recv_grad"  # receive the gradient of micro-batch i's output from stage s+1
     BACKWARD = "backward"
+    BACKWARD_INPUT = "backward_input"  # zero bubble: only the gradient of the stage's input
+    BACKWARD_WEIGHT = "backward_weight"  # zero bubble: the weight gradients, later
     SEND_GRAD = "send_grad"  # send the gradient of micro-batch i's input to stage s-1
 
 
@@ -97,11 +104,96 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     return actions
 
 
+def zero_bubble(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """ZB-H1-style: 1F1B whose weight gradients are computed when the stage would otherwise wait.
+
+    The order comes from list-scheduling all stages together with equal costs (forward = input
+    gradient = weight gradient = 1; the first stage's whole backward = 2): whenever a stage is free
+    it runs, by priority, an input gradient (someone upstream waits for it), else a forward (someone
+    downstream does), else a deferred weight gradient. A stage holds at most ``S - s + 1``
+    micro-batches whose weight gradients are not done (one more than 1F1B's ``S - s``, still at most
+    GPipe's ``M``); at the limit it must finish a weight gradient before the next forward.
+    """
+    check_schedule_args(stage, stages, microbatches)
+    if stages == 1:
+        return one_f_one_b(stage, stages, microbatches)
+    return _list_schedule(stages, microbatches)[stage]
+
+
+def _list_schedule(stages: int, microbatches: int) -> list[list[Action]]:
+    S, M = stages, microbatches
+    limit = [min(M, S - s + 1) for s in range(S)]
+    free = [0.0] * S
+    act_at: dict[tuple[int, int], float] = {(0, i): 0.0 for i in range(M)}  # (stage, mb) -> input ready
+    grad_at: dict[tuple[int, int], float] = {}  # (stage, mb) -> output gradient ready
+    fwd, bwd = [0] * S, [0] * S  # next forward / input-gradient micro-batch per stage
+    pending: list[list[int]] = [[] for _ in range(S)]  # input gradient done, weight gradient not
+    order: list[list[Action]] = [[] for _ in range(S)]
+
+    def options(s: int) -> list[tuple[float, int, str]]:
+        """(ready time, priority, kind) of what stage s could run next."""
+        out = []
+        live = fwd[s] - (bwd[s] - len(pending[s]))  # forwards whose weight gradient is not done
+        if bwd[s] < fwd[s] and (s, bwd[s]) in grad_at:
+            out.append((grad_at[(s, bwd[s])], 0 if s > 0 else 2, "B"))
+        if fwd[s] < M and live < limit[s] and (s, fwd[s]) in act_at:
+            out.append((act_at[(s, fwd[s])], 1, "F"))
+        if pending[s]:
+            out.append((0.0, 2, "W"))
+        return out
+
+    while any(bwd[s] < M or pending[s] for s in range(S)):
+        best = None
+        for s in range(S):
+            opts = options(s)
+            if not opts:
+                continue
+            ready_now = [o for o in opts if o[0] <= free[s]]
+            pick = min(ready_now, key=lambda o: o[1]) if ready_now else min(opts)
+            start = max(free[s], pick[0])
+            if best is None or (start, s) < (best[0], best[1]):
+                best = (start, s, pick[2])
+        assert best is not None, "zero-bubble list scheduling got stuck"
+        start, s, kind = best
+        if kind == "F":
+            i = fwd[s]
+            fwd[s] += 1
+            free[s] = start + 1
+            order[s] += _forward(s, S, i)
+            if s < S - 1:
+                act_at[(s + 1, i)] = free[s]
+            else:
+                grad_at[(s, i)] = free[s]
+        elif kind == "B" and s == 0:  # the first stage: its whole backward, deferrable
+            i = bwd[s]
+            bwd[s] += 1
+            free[s] = start + 2
+            order[s] += [Action(Op.RECV_GRAD, i), Action(Op.BACKWARD, i)]
+        elif kind == "B":
+            i = bwd[s]
+            bwd[s] += 1
+            pending[s].append(i)
+            free[s] = start + 1
+            order[s] += [
+                *([] if s == S - 1 else [Action(Op.RECV_GRAD, i)]),
+                Action(Op.BACKWARD_INPUT, i),
+                Action(Op.SEND_GRAD, i),
+            ]
+            grad_at[(s - 1, i)] = free[s]
+        else:
+            i = pending[s].pop(0)
+            free[s] = start + 1
+            order[s].append(Action(Op.BACKWARD_WEIGHT, i))
+    return order
+
+
 def make_schedule(name: str, stage: int, stages: int, microbatches: int) -> list[Action]:
     if name == "gpipe":
         return gpipe(stage, stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stage, stages, microbatches)
+    if name == "zb":
+        return zero_bubble(stage, stages, microbatches)
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
 
 
@@ -112,7 +204,7 @@ def peak_live_microbatches(actions: list[Action]) -> int:
         if a.op is Op.FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.op is Op.BACKWARD:
+        elif a.op is Op.BACKWARD or a.op is Op.BACKWARD_WEIGHT:
             live -= 1
     return peak
 
@@ -137,8 +229,16 @@ def simulate(
     schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 1.0
 ) -> Simulation:
     """Replay every stage's actions with ideal timing: compute takes the given time, messages arrive
-    instantly, sends never block, receives wait for the matching send. Raises ScheduleDeadlock."""
+    instantly, sends never block, receives wait for the matching send. Raises ScheduleDeadlock.
+
+    A split backward costs half of ``backward_time`` for each part (input, weight)."""
     stages = len(schedules)
+    costs = {
+        Op.FORWARD: forward_time,
+        Op.BACKWARD: backward_time,
+        Op.BACKWARD_INPUT: backward_time / 2,
+        Op.BACKWARD_WEIGHT: backward_time / 2,
+    }
     clock = [0.0] * stages
     busy = [0.0] * stages
     pos = [0] * stages
@@ -158,7 +258,7 @@ def simulate(
                 elif a.op is Op.SEND_GRAD:
                     sent[("grad", s - 1, a.microbatch)] = clock[s]
                 else:
-                    cost = forward_time if a.op is Op.FORWARD else backward_time
+                    cost = costs[a.op]
                     clock[s] += cost
                     busy[s] += cost
                 pos[s] += 1

@@ -94,8 +94,11 @@ class PipelineStrategy(Strategy):
         stages: number of pipeline stages (processes per pipeline replica).
         microbatches: micro-batches per mini-batch (M >= 1); more means a smaller bubble
             ``(S-1)/(M+S-1)`` but smaller, less efficient pieces of work.
-        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (same math, at most
-            ``S - stage`` micro-batches' activations alive at once).
+        schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (same math, at most
+            ``S - stage`` micro-batches' activations alive at once) or ``"zb"`` (zero bubble,
+            ZB-H1-style: 1F1B with each backward split into the input gradient, sent at once, and
+            the weight gradients, computed while the stage would wait; one more micro-batch alive
+            than 1F1B; see :mod:`spread.pipeline.split_backward`).
         split_points: indices of the first layer of stages 1..S-1; default: balanced by ``balance_by``.
         replicas: data-parallel copies of the pipeline (the job has ``stages * replicas`` ranks).
         balance_by: ``"time"`` (forward+backward per layer, measured on rank 0 on the first
@@ -548,6 +551,8 @@ class PipelineStrategy(Strategy):
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
+        if self._runner is not None:
+            self._runner.close()
         if self._model is not None:
             unwrap_forward(self._model, _WRAP_KIND)
         if self._rendezvous is not None:
