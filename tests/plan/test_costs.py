@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from spread.pipeline import make_schedule, simulate
 from spread.plan.costs import (
     Link,
     allreduce_time,
@@ -16,6 +17,7 @@ from spread.plan.costs import (
     parameter_server_rate,
     pipeline_bubble,
     pipeline_memory,
+    pipeline_slots,
     pipeline_step_time,
 )
 
@@ -89,6 +91,17 @@ def test_pipeline_bubble_is_gpipes_bound():
         pipeline_bubble(2, 0)
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 8, 16])
+def test_pipeline_slots_replay_the_runtimes_schedules(stages, microbatches):
+    """The closed forms equal the makespan of the schedules the runtime executes (forward 1,
+    backward 2, so a slot is 3 units)."""
+    for schedule in ("gpipe", "1f1b", "zb"):
+        sim = simulate([make_schedule(schedule, s, stages, microbatches) for s in range(stages)], 1.0, 2.0)
+        assert pipeline_slots(stages, microbatches, schedule) == pytest.approx(sim.makespan / 3), schedule
+    assert pipeline_bubble(stages, microbatches, "zb") <= pipeline_bubble(stages, microbatches, "1f1b")
+
+
 def test_pipeline_step_time_by_hand():
     # 2 stages, 4 micro-batches of 10 ms per stage, free link: (4 + 1) slots of 10 ms.
     free = Link(0.0, 1e18)
@@ -136,8 +149,10 @@ def test_memory_terms():
     assert m.total == 530
     gpipe = pipeline_memory(50.0, 100.0, 4.0, 32, stages=2, microbatches=8, schedule="gpipe")
     one_f_one_b = pipeline_memory(50.0, 100.0, 4.0, 32, stages=2, microbatches=8, schedule="1f1b")
+    zero_bubble = pipeline_memory(50.0, 100.0, 4.0, 32, stages=2, microbatches=8, schedule="zb")
     assert gpipe.activations == 4.0 * 32  # all 8 micro-batches of 4 samples alive
     assert one_f_one_b.activations == 4.0 * 4 * 2  # at most S = 2 in flight
+    assert zero_bubble.activations == 4.0 * 4 * 3  # at most S + 1
     with pytest.raises(ValueError, match="schedule"):
         pipeline_memory(1, 1, 1, 1, 1, 1, "zigzag")
 

@@ -139,27 +139,56 @@ def exposed_communication(
     return max(0.0, cursor - backward_s)
 
 
-def pipeline_bubble(stages: int, microbatches: int) -> float:
-    """GPipe's idle fraction ``(S - 1) / (M + S - 1)`` (1F1B has the same bubble, less memory)."""
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb")
+
+
+def pipeline_slots(stages: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """How long one mini-batch takes, in slots of one micro-batch's forward+backward on one stage.
+
+    Equal stages, backward = 2 x forward. GPipe and 1F1B: ``M + S - 1``. Zero bubble (``"zb"``): its
+    deferred weight gradients fill all of the drain but one input gradient per hop, leaving
+    ``M + (2S - 3) / 3`` (``1 + 2(S - 1) / 3`` for ``M = 1``); the tests replay the runtime's own
+    schedule (``spread.pipeline.simulate``) against this formula.
+    """
+    _check_schedule(schedule)
     if stages < 1 or microbatches < 1:
         raise ValueError(f"stages and microbatches must be >= 1, got S={stages}, M={microbatches}")
-    return (stages - 1) / (microbatches + stages - 1)
+    if schedule != "zb" or stages == 1:
+        return microbatches + stages - 1
+    if microbatches == 1:
+        return 1 + 2 * (stages - 1) / 3
+    return microbatches + (2 * stages - 3) / 3
+
+
+def pipeline_bubble(stages: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """The idle fraction: GPipe's ``(S - 1) / (M + S - 1)`` (1F1B's too); less for zero bubble."""
+    return 1.0 - microbatches / pipeline_slots(stages, microbatches, schedule)
 
 
 def pipeline_step_time(
-    stage_compute_s: float, stages: int, microbatches: int, boundary_bytes: float, link: Link
+    stage_compute_s: float,
+    stages: int,
+    microbatches: int,
+    boundary_bytes: float,
+    link: Link,
+    schedule: str = "1f1b",
 ) -> float:
     """One mini-batch through ``stages`` stages in ``microbatches`` micro-batches.
 
     ``stage_compute_s`` is the slowest stage's forward+backward time for one micro-batch;
     ``boundary_bytes`` the activation bytes one micro-batch sends across one stage boundary. Each slot
     costs the larger of compute and the transfer (sends overlap compute), and filling and draining
-    the pipe adds ``S - 1`` slots plus one forward and one backward hop per boundary.
+    the pipe adds :func:`pipeline_slots` beyond ``M`` plus one forward and one backward hop per boundary.
     """
-    pipeline_bubble(stages, microbatches)
+    slots = pipeline_slots(stages, microbatches, schedule)
     hop = link.time(boundary_bytes) if stages > 1 else 0.0
     slot = max(stage_compute_s, 2.0 * hop)
-    return (microbatches + stages - 1) * slot + 2.0 * (stages - 1) * hop
+    return slots * slot + 2.0 * (stages - 1) * hop
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {PIPELINE_SCHEDULES}")
 
 
 def server_seconds_per_step(
@@ -248,10 +277,15 @@ def pipeline_memory(
     microbatches: int,
     schedule: str,
 ) -> MemoryBreakdown:
-    """Memory of the largest stage: GPipe keeps all M micro-batches' activations, 1F1B at most S."""
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose 'gpipe' or '1f1b'")
-    in_flight = microbatches if schedule == "gpipe" else min(microbatches, stages)
+    """Memory of the largest stage: GPipe keeps all M micro-batches' activations, 1F1B at most S,
+    zero bubble at most S + 1 (the first stage's weight gradients wait for one micro-batch more)."""
+    _check_schedule(schedule)
+    in_flight = {
+        "gpipe": microbatches,
+        "1f1b": min(microbatches, stages),
+        "zb": min(microbatches, stages + 1),
+    }
+    in_flight = in_flight[schedule]
     micro = batch_per_replica / microbatches
     return MemoryBreakdown(
         parameters=stage_param_bytes,

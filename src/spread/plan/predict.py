@@ -25,6 +25,7 @@ from spread.plan.costs import (
     exposed_communication,
     hierarchical_allreduce_time,
     parameter_server_rate,
+    pipeline_bubble,
     pipeline_memory,
     pipeline_step_time,
     server_seconds_per_step,
@@ -374,7 +375,8 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     stage_compute = _compute(p, cl, per_replica / micro, on_node, 1, busy=busy) * share
     boundary = max((p.layers[g[-1]].output_bytes_per_sample for g in groups[:-1]), default=0.0)
     link = cl.link("native")
-    step = pipeline_step_time(stage_compute, stages, micro, boundary * per_replica / micro, link)
+    schedule = c.get("schedule", "1f1b")
+    step = pipeline_step_time(stage_compute, stages, micro, boundary * per_replica / micro, link, schedule)
     step *= o.accumulation_steps
     stage_params = max(sum(p.layers[i].param_bytes for i in g) for g in groups)
     grad_sync = allreduce_time("native", stage_params, replicas, link)
@@ -396,9 +398,9 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         math.ceil(per_replica / o.accumulation_steps),
         stages,
         micro,
-        c.get("schedule", "1f1b"),
+        schedule,
     )
-    bubble = (stages - 1) / (micro + stages - 1)
+    bubble = pipeline_bubble(stages, micro, schedule)
     note = f"bubble {bubble:.0%}, slowest stage {share:.0%} of the model's time"
     return step, o.global_batch / step, memory, note, {"compute": stage_compute * micro, "sync": grad_sync}
 
@@ -448,10 +450,9 @@ def candidates(
                 continue
             per_replica = options.global_batch // (d // stages)
             for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
-                if micro <= per_replica:
-                    out.append(
-                        Candidate(
-                            "pipeline", d, (("stages", stages), ("microbatches", micro), ("schedule", "1f1b"))
-                        )
-                    )
+                if micro > per_replica:
+                    continue
+                for schedule in ("1f1b", "zb"):  # GPipe: 1F1B's time with more memory, never better
+                    settings = (("stages", stages), ("microbatches", micro), ("schedule", schedule))
+                    out.append(Candidate("pipeline", d, settings))
     return out
