@@ -167,3 +167,24 @@ def test_weight_pass_exchanges_once_after_its_last_engine_call():
     split.backward_weight(graph, NoSync)
     # Outside no_sync only at the end: the last call's parameters, after every other one's.
     assert synced[-1] and False in synced and synced == sorted(synced)
+
+
+def test_checkpointed_modules_stay_correct_and_warn_about_the_recomputation():
+    from spread.memory import checkpoint_stage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    reference(x.requires_grad_(True)).sum().backward()
+    checkpoint_stage(model)
+    split = SplitBackward(model)
+    stage_input = x.detach().requires_grad_(True)
+    with split.forward() as graph:
+        loss = model(stage_input).sum()
+    split.backward_input(graph, loss, None, stage_input)
+    with pytest.warns(RuntimeWarning, match="recomputing checkpointed activations"):
+        split.backward_weight(graph)
+    torch.testing.assert_close(stage_input.grad, x.grad)
+    for want, got in zip(reference.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)

@@ -91,7 +91,7 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
     ("stages", "replicas", "schedules"),
     [
         (2, 1, ["gpipe", "1f1b", "zb"]),
-        (3, 1, ["1f1b", "gpipe+checkpoint", "zb", "zb+checkpoint"]),
+        (3, 1, ["1f1b", "gpipe+checkpoint", "zb"]),
         (2, 2, ["gpipe", "1f1b", "zb"]),
     ],
     ids=["2_stages", "3_stages", "hybrid_2x2"],
@@ -223,6 +223,7 @@ def test_a_killed_stage_is_named_by_every_other_stage(victim):
         ({"stages": 0}, "stages must be a positive integer"),
         ({"stages": 2, "microbatches": 0}, r"M >= 1"),
         ({"stages": 2, "schedule": "zigzag"}, "schedule must be one of"),
+        ({"stages": 2, "schedule": "zb", "checkpoint_stages": True}, "does not combine with checkpoint"),
         ({"stages": 2, "replicas": 0}, "replicas must be a positive integer"),
         ({"stages": 3, "split_points": [2]}, "split_points must be stages-1=2"),
         ({"stages": 2, "split_points": [0]}, "strictly increasing"),

@@ -27,10 +27,15 @@ Parameters that fail (tied weights used by two modules, a module called twice, a
 functionally elsewhere), parameters of modules whose nodes the input pass did not reach, and
 parameters owned by no module that ran, all get their gradient in one ordinary backward from the
 root, restricted to them, in the weight pass: correct in every case, merely not split.
+
+Activation checkpointing inside the stage is correct too but wasteful: every engine call of the
+weight pass that unpacks a checkpointed region's saved tensors recomputes that region. A forward
+hook firing during the weight pass shows it; a warning says so once.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -75,6 +80,8 @@ class SplitBackward:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._split: set[int] | None = None  # ids of the modules proven splittable (first step)
         self._recording: MicrobatchGraph | None = None
+        self._in_weight_pass = False
+        self._warned = False
         self._handles = [m.register_forward_hook(self._on_forward) for m in self.owners]
 
     def close(self) -> None:
@@ -94,6 +101,14 @@ class SplitBackward:
 
     def _on_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         graph = self._recording
+        if graph is None and self._in_weight_pass and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "a zero-bubble weight pass is recomputing checkpointed activations, once per module; "
+                "use schedule='1f1b' with activation checkpointing",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if graph is None or not torch.is_grad_enabled():
             return  # inference, or a recomputation in backward: nothing to split
         outputs = output if isinstance(output, (tuple, list)) else (output,)
@@ -160,10 +175,14 @@ class SplitBackward:
         rest = [p for p in self.params if id(p) not in covered]
         if rest:
             runs.append(([graph.root], [graph.root_grad], rest))
-        for n, (roots, grads, params) in enumerate(runs):
-            last = n == len(runs) - 1
-            with nullcontext() if last or no_sync is None else no_sync():
-                torch.autograd.backward(roots, grads, inputs=params, retain_graph=not last)
+        self._in_weight_pass = True
+        try:
+            for n, (roots, grads, params) in enumerate(runs):
+                last = n == len(runs) - 1
+                with nullcontext() if last or no_sync is None else no_sync():
+                    torch.autograd.backward(roots, grads, inputs=params, retain_graph=not last)
+        finally:
+            self._in_weight_pass = False
         graph.calls.clear()
         graph.kept.clear()
         graph.hooked.clear()

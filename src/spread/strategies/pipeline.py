@@ -132,6 +132,12 @@ class PipelineStrategy(Strategy):
     ) -> None:
         super().__init__()
         _check_args(stages, microbatches, schedule, split_points, replicas, balance_by)
+        if schedule == "zb" and checkpoint_stages:
+            raise ValueError(
+                "schedule='zb' does not combine with checkpoint_stages=True: its weight pass runs once "
+                "per module, and each run would recompute the checkpointed stage's forward; use "
+                "schedule='1f1b' (least activation memory) with checkpointing"
+            )
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.split_points = list(split_points) if split_points is not None else None
         self.replicas, self.balance_by = replicas, balance_by
