@@ -1,7 +1,7 @@
 """Pipeline throughput: spread's PipelineStrategy (S=2) vs one process vs torch.distributed.pipelining.
 
     flock /tmp/spread-bench.lock python benchmarks/pipeline_speed.py [--workloads mlp,w2]
-        [--rounds 4] [--microbatches 4] [--reps 5] [--steps 3] [--bind spread|both|none] [--quick]
+        [--rounds 4] [--microbatches 4 | 2,4] [--reps 5] [--steps 3] [--bind spread|both|none] [--quick]
         [--spread-schedules gpipe,1f1b,zb]
 
 Workloads (``benchmarks/block_workloads.py`` for W2, so both pipelines split the same
@@ -22,6 +22,10 @@ pipeline stage (2 stages = the 2 cores):
 * ``torch.distributed.pipelining`` ``ScheduleGPipe`` and ``Schedule1F1B`` on the same model, split
   (a) by layer count (half the ``nn.Sequential`` entries per stage, the split a user writes by hand)
   and (b) at spread's balanced split (same work per stage: isolates the runtimes).
+
+Several M (``--microbatches 2,4``): every pipeline configuration once per M (keys ``...@M``), a
+table per M, then a table of each runtime and schedule at its own best M (the highest median rate),
+with paired ratios against torch's schedules at theirs: a user tunes M for the runtime they use.
 
 CPU binding (``--bind``): spread binds each stage process to its own CPU by default
 (``PipelineStrategy(bind_cpus=True)``, see ``spread.pipeline.affinity``); torch does not. ``spread``
@@ -222,7 +226,10 @@ def spread_split(name: str, microbatches: int, quick: bool) -> int:
 
 
 def build_configs(name: str, args: argparse.Namespace) -> list[Config]:
-    """Every configuration of one workload, as closures that run it once in fresh processes."""
+    """Every configuration of one workload, as closures that run it once in fresh processes.
+
+    With several ``--microbatches`` values every pipeline configuration exists once per M, its key
+    suffixed ``@M`` (the reference one-process rows once)."""
     model = make_workload(name, args.quick)[0]
     spread_bind, bind_t = args.bind != "none", args.bind == "both"
     common = dict(timeout=900, init_timeout=120, collective_timeout=300)
@@ -231,27 +238,35 @@ def build_configs(name: str, args: argparse.Namespace) -> list[Config]:
         Config(f"one{t}", f"one process, {t} thread(s)", lambda t=t: {"times": one_process(name, t, *timing)})
         for t in (1, 2)
     ]
-    for schedule in args.spread_schedules.split(","):
+    several = len(args.microbatches) > 1
+    for m in args.microbatches:
+        at, with_m = (f"@{m}", f", M={m}") if several else ("", "")
+        for schedule in args.spread_schedules.split(","):
 
-        def run_spread(schedule: str = schedule) -> dict:
-            wargs = (name, schedule, args.microbatches, *timing, spread_bind)
-            out = run_ranks(spread_worker, 2, args=wargs, **common)[0]
-            bound = "bound" if out["cpus"] is not None else "unbound"
-            return {"times": out["times"], "note": f"{_split(out['bounds'][0][1], model)}, {bound}"}
+            def run_spread(schedule: str = schedule, m: int = m) -> dict:
+                wargs = (name, schedule, m, *timing, spread_bind)
+                out = run_ranks(spread_worker, 2, args=wargs, **common)[0]
+                bound = "bound" if out["cpus"] is not None else "unbound"
+                return {"times": out["times"], "note": f"{_split(out['bounds'][0][1], model)}, {bound}"}
 
-        configs.append(Config(f"spread-{schedule}", f"spread PipelineStrategy {schedule}", run_spread))
-    balanced, by_count = spread_split(name, args.microbatches, args.quick), len(model) // 2
-    for schedule, cls in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
-        for split, how, tag in ((by_count, "layer count", "count"), (balanced, "spread's split", "spread")):
-
-            def run_torch(schedule: str = schedule, split: int = split) -> dict:
-                wargs = (name, schedule, args.microbatches, split, *timing, bind_t)
-                return run_ranks(torch_worker, 2, args=wargs, **common)[0]
-
-            label = f"torch.distributed.pipelining {cls}, {_split(split, model)} ({how})"
             configs.append(
-                Config(f"torch-{schedule}-{tag}", label + (", bound" if bind_t else ""), run_torch)
+                Config(f"spread-{schedule}{at}", f"spread PipelineStrategy {schedule}{with_m}", run_spread)
             )
+        balanced, by_count = spread_split(name, m, args.quick), len(model) // 2
+        for schedule, cls in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
+            for split, how, tag in (
+                (by_count, "layer count", "count"),
+                (balanced, "spread's split", "spread"),
+            ):
+
+                def run_torch(schedule: str = schedule, split: int = split, m: int = m) -> dict:
+                    wargs = (name, schedule, m, split, *timing, bind_t)
+                    return run_ranks(torch_worker, 2, args=wargs, **common)[0]
+
+                label = f"torch.distributed.pipelining {cls}{with_m}, {_split(split, model)} ({how})"
+                configs.append(
+                    Config(f"torch-{schedule}-{tag}{at}", label + (", bound" if bind_t else ""), run_torch)
+                )
     return configs
 
 
@@ -286,13 +301,26 @@ def _ratio_cell(config: Config, reference: Config | None) -> str:
 
 def report(name: str, unit: str, configs: list[Config], args: argparse.Namespace) -> None:
     """The table: rates over all rounds, and paired ratios to torch's schedules (layer-count split)
-    and, for spread's rows, to torch's same schedule at the same split."""
-    by_key = {c.key: c for c in configs}
+    and, for spread's rows, to torch's same schedule at the same split (zb: torch's 1F1B). With
+    several M: one table per M, then each runtime and schedule at its own best M."""
     rounds = len(configs[0].rates)
     print(
         f"\n## {name}: {unit}, median (min..max) of {rounds} rounds x {args.reps} reps; ratios: median "
         f"(min..max) over rounds of same-round ratios"
     )
+    several = len(args.microbatches) > 1
+    for m in args.microbatches:
+        at = f"@{m}" if several else ""
+        here = [c for c in configs if c.key.startswith("one") or c.key.endswith(at)] if at else configs
+        if several:
+            print(f"\n### M={m}")
+        _table(unit, here, {c.key.removesuffix(at): c for c in here})
+    if several:
+        _best_m_table(unit, configs, args.microbatches)
+    sys.stdout.flush()
+
+
+def _table(unit: str, configs: list[Config], by_key: dict[str, Config]) -> None:
     print(
         f"| configuration | {unit} | vs torch GPipe (layer count) | vs torch 1F1B (layer count) | "
         "vs torch same schedule at spread's split |\n| --- | ---: | ---: | ---: | ---: |"
@@ -300,16 +328,47 @@ def report(name: str, unit: str, configs: list[Config], args: argparse.Namespace
     for config in configs:
         rates = sorted(x for per_round in config.rates for x in per_round)
         label = ", ".join([config.label, *_count_notes(config.notes)])
+        key = next(k for k, c in by_key.items() if c is config)
         same = None
-        if config.key.startswith("spread-"):
-            schedule = config.key.removeprefix("spread-")
+        if key.startswith("spread-"):
+            schedule = key.removeprefix("spread-")
             same = by_key[f"torch-{'1f1b' if schedule == 'zb' else schedule}-spread"]
         print(
             f"| {label} | {statistics.median(rates):,.0f} ({rates[0]:,.0f}..{rates[-1]:,.0f}) | "
             f"{_ratio_cell(config, by_key['torch-gpipe-count'])} | "
             f"{_ratio_cell(config, by_key['torch-1f1b-count'])} | {_ratio_cell(config, same)} |"
         )
-    sys.stdout.flush()
+
+
+def best_m(configs: list[Config], base: str, ms: list[int]) -> Config:
+    """Of ``base@M`` for every M, the configuration with the highest median rate over all rounds."""
+    runs = [next(c for c in configs if c.key == f"{base}@{m}") for m in ms]
+    return max(runs, key=lambda c: statistics.median(x for per_round in c.rates for x in per_round))
+
+
+def _best_m_table(unit: str, configs: list[Config], ms: list[int]) -> None:
+    """A user tunes M for the runtime they use: compare each at its own best M (paired ratios)."""
+    torch_gpipe, torch_1f1b = (
+        best_m(configs, "torch-gpipe-count", ms),
+        best_m(configs, "torch-1f1b-count", ms),
+    )
+    m_gpipe, m_1f1b = torch_gpipe.key.split("@")[1], torch_1f1b.key.split("@")[1]
+    print(
+        f"\n### Each at its best M (of {', '.join(map(str, ms))}); torch with the layer-count split: "
+        f"ScheduleGPipe at M={m_gpipe}, Schedule1F1B at M={m_1f1b}"
+    )
+    print(f"| configuration | best M | {unit} | vs torch GPipe at its best M | vs torch 1F1B at its best M |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    bases = dict.fromkeys(c.key.split("@")[0] for c in configs if "@" in c.key)
+    for base in bases:
+        if not (base.startswith("spread-") or base.endswith("-count")):
+            continue
+        best = best_m(configs, base, ms)
+        rate = statistics.median(x for per_round in best.rates for x in per_round)
+        print(
+            f"| {base} | {best.key.split('@')[1]} | {rate:,.0f} | {_ratio_cell(best, torch_gpipe)} | "
+            f"{_ratio_cell(best, torch_1f1b)} |"
+        )
 
 
 def main() -> None:
@@ -318,7 +377,12 @@ def main() -> None:
     )
     parser.add_argument("--workloads", default="mlp,w2")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every configuration")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--microbatches",
+        type=lambda text: [int(m) for m in text.split(",")],
+        default=[4],
+        help="M, or several (2,4): every pipeline configuration at each, plus each at its best M",
+    )
     parser.add_argument("--spread-schedules", default="gpipe,1f1b,zb", help="spread's schedules to run")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration and round")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repetition")

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import pipeline_speed  # noqa: E402
-from pipeline_speed import Config, paired_ratio, round_order  # noqa: E402
+from pipeline_speed import Config, best_m, paired_ratio, round_order  # noqa: E402
 
 
 def test_each_round_runs_every_configuration_once_in_a_changing_order():
@@ -60,3 +60,31 @@ def test_quick_smoke_run_reports_every_configuration(capsys, monkeypatch):
     assert len(rows) == 1 + 9  # header + one process x2, spread x3, torch x4
     assert any(r.startswith("| spread PipelineStrategy 1f1b, split ") for r in rows)
     assert "| torch.distributed.pipelining Schedule1F1B, split " in out
+
+
+def test_best_m_picks_each_configurations_fastest_m_by_median_rate():
+    configs = [
+        _config("torch-1f1b-count@2", [[90.0], [100.0], [95.0]]),
+        _config("torch-1f1b-count@4", [[120.0], [60.0], [110.0]]),  # median 110: the best
+        _config("spread-zb@2", [[130.0], [140.0], [150.0]]),
+        _config("spread-zb@4", [[100.0], [100.0], [100.0]]),
+    ]
+    assert best_m(configs, "torch-1f1b-count", [2, 4]).key == "torch-1f1b-count@4"
+    assert best_m(configs, "spread-zb", [2, 4]).key == "spread-zb@2"
+
+
+@pytest.mark.slow
+def test_quick_smoke_run_with_several_m_adds_the_best_m_table(capsys, monkeypatch):
+    argv = ["pipeline_speed.py", "--quick", "--workloads", "mlp", "--microbatches", "2,4"]
+    argv += ["--rounds", "1", "--reps", "1", "--steps", "1", "--spread-schedules", "zb"]
+    monkeypatch.setattr(sys, "argv", argv)
+    pipeline_speed.main()
+    out = capsys.readouterr().out
+    assert "### M=2" in out and "### M=4" in out
+    best = out[out.index("### Each at its best M") :]
+    rows = [line for line in best.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| spread-zb",
+        "| torch-gpipe-count",
+        "| torch-1f1b-count",
+    ]
