@@ -78,7 +78,9 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
                 if strategy is not owner:
                     strategy.close()
         if replicas > 1:  # Trainer.fit, evaluate and predict on the hybrid layout too
-            strategy = spread.PipelineStrategy(stages=stages, microbatches=2, replicas=replicas)
+            strategy = spread.PipelineStrategy(
+                stages=stages, microbatches=2, replicas=replicas, schedule="zb"
+            )
             out["trainer"] = _trainer_run(strategy)
             strategy.close()
     finally:
