@@ -21,8 +21,9 @@ How the split is done with autograd alone, without recomputing anything:
   on through its input into the earlier modules, counting their weights twice.
 
 When that is exact: a module's parameters must reach the loss only through that module's outputs.
-The first micro-batch's graph is checked once (:func:`_splittable`): every autograd node that
-consumes one of the module's parameters must lie between the module's outputs and its inputs.
+Each micro-batch's graph is checked (:func:`_splittable`, ~0.5 ms for two GPT blocks and an LM head,
+so a graph that changes from step to step is safe): every autograd node that consumes one of the
+module's parameters must lie between the module's outputs and its inputs.
 Parameters that fail (tied weights used by two modules, a module called twice, a parameter used
 functionally elsewhere), parameters of modules whose nodes the input pass did not reach, and
 parameters owned by no module that ran, all get their gradient in one ordinary backward from the
@@ -63,6 +64,7 @@ class MicrobatchGraph:
     # an edge whose node the input pass never ran has no entry
     kept: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
     hooked: set[tuple[int, int]] = field(default_factory=set)
+    split: set[int] = field(default_factory=set)  # ids of the modules whose weight pass may be split
     root: torch.Tensor | None = None
     root_grad: torch.Tensor | None = None
 
@@ -78,7 +80,6 @@ class SplitBackward:
         self.module = module
         self.owners = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(False))]
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._split: set[int] | None = None  # ids of the modules proven splittable (first step)
         self._recording: MicrobatchGraph | None = None
         self._in_weight_pass = False
         self._warned = False
@@ -140,8 +141,7 @@ class SplitBackward:
     ) -> None:
         """The input pass: ``stage_input.grad`` (when it wants one); weights untouched, graph kept."""
         graph.root, graph.root_grad = root, grad
-        if self._split is None:
-            self._split = _splittable(graph, root, self.owners)
+        graph.split = _splittable(graph, root, self.owners)
         if stage_input is not None and stage_input.requires_grad:
             torch.autograd.backward(root, grad, inputs=[stage_input], retain_graph=True)
 
@@ -161,7 +161,7 @@ class SplitBackward:
             counts[id(call.module)] = counts.get(id(call.module), 0) + 1
         for call in graph.calls:
             mid = id(call.module)
-            if mid not in (self._split or ()) or counts[mid] != 1:
+            if mid not in graph.split or counts[mid] != 1:
                 continue
             if any(_edge_key(e) not in graph.kept for e in call.edges):
                 continue  # the input pass did not run all its outputs' nodes: the root run decides
@@ -186,6 +186,7 @@ class SplitBackward:
         graph.calls.clear()
         graph.kept.clear()
         graph.hooked.clear()
+        graph.split.clear()
         graph.root = graph.root_grad = None
 
 
