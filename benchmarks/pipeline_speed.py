@@ -314,13 +314,15 @@ def report(name: str, unit: str, configs: list[Config], args: argparse.Namespace
         here = [c for c in configs if c.key.startswith("one") or c.key.endswith(at)] if at else configs
         if several:
             print(f"\n### M={m}")
-        _table(unit, here, {c.key.removesuffix(at): c for c in here})
+        _table(unit, here, at)
     if several:
         _best_m_table(unit, configs, args.microbatches)
     sys.stdout.flush()
 
 
-def _table(unit: str, configs: list[Config], by_key: dict[str, Config]) -> None:
+def _table(unit: str, configs: list[Config], at: str) -> None:
+    """One M's rows; ``at`` is that M's key suffix (``"@4"``, or ``""`` with a single M)."""
+    by_key = {c.key.removesuffix(at): c for c in configs}
     print(
         f"| configuration | {unit} | vs torch GPipe (layer count) | vs torch 1F1B (layer count) | "
         "vs torch same schedule at spread's split |\n| --- | ---: | ---: | ---: | ---: |"
@@ -328,7 +330,7 @@ def _table(unit: str, configs: list[Config], by_key: dict[str, Config]) -> None:
     for config in configs:
         rates = sorted(x for per_round in config.rates for x in per_round)
         label = ", ".join([config.label, *_count_notes(config.notes)])
-        key = next(k for k, c in by_key.items() if c is config)
+        key = config.key.removesuffix(at)
         same = None
         if key.startswith("spread-"):
             schedule = key.removeprefix("spread-")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 
@@ -117,10 +118,12 @@ def zero_bubble(stage: int, stages: int, microbatches: int) -> list[Action]:
     check_schedule_args(stage, stages, microbatches)
     if stages == 1:
         return one_f_one_b(stage, stages, microbatches)
-    return _list_schedule(stages, microbatches)[stage]
+    return list(_list_schedule(stages, microbatches)[stage])
 
 
-def _list_schedule(stages: int, microbatches: int) -> list[list[Action]]:
+@lru_cache(maxsize=64)
+def _list_schedule(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Every stage's order at once (cached: the strategy asks for its stage's list every step)."""
     S, M = stages, microbatches
     limit = [min(M, S - s + 1) for s in range(S)]
     free = [0.0] * S
@@ -184,7 +187,7 @@ def _list_schedule(stages: int, microbatches: int) -> list[list[Action]]:
             i = pending[s].pop(0)
             free[s] = start + 1
             order[s].append(Action(Op.BACKWARD_WEIGHT, i))
-    return order
+    return tuple(tuple(stage_order) for stage_order in order)
 
 
 def make_schedule(name: str, stage: int, stages: int, microbatches: int) -> list[Action]:

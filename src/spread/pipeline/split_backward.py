@@ -51,7 +51,7 @@ class _Call:
     """One run of a parameter-owning module in one micro-batch's forward."""
 
     module: nn.Module
-    inputs: list[torch.Tensor]  # tensor inputs that require grad (for the one-time graph check)
+    inputs: list[torch.Tensor]  # tensor inputs that require grad (where its graph region stops)
     edges: list[GradientEdge]  # gradient edges of its outputs that require grad
 
 
@@ -141,8 +141,9 @@ class SplitBackward:
     ) -> None:
         """The input pass: ``stage_input.grad`` (when it wants one); weights untouched, graph kept."""
         graph.root, graph.root_grad = root, grad
-        graph.split = _splittable(graph, root, self.owners)
         if stage_input is not None and stage_input.requires_grad:
+            # Without an input pass no output gradient is kept, so nothing could be split anyway.
+            graph.split = _splittable(graph, root, self.owners)
             torch.autograd.backward(root, grad, inputs=[stage_input], retain_graph=True)
 
     def backward_weight(
@@ -156,12 +157,8 @@ class SplitBackward:
             return  # nothing required a gradient (backward_input was not run)
         runs: list[tuple[list, list, list]] = []  # (roots, their gradients, parameters)
         covered: set[int] = set()
-        counts: dict[int, int] = {}
         for call in graph.calls:
-            counts[id(call.module)] = counts.get(id(call.module), 0) + 1
-        for call in graph.calls:
-            mid = id(call.module)
-            if mid not in graph.split or counts[mid] != 1:
+            if id(call.module) not in graph.split:  # (a module that ran twice is never in it)
                 continue
             if any(_edge_key(e) not in graph.kept for e in call.edges):
                 continue  # the input pass did not run all its outputs' nodes: the root run decides

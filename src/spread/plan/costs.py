@@ -284,8 +284,7 @@ def pipeline_memory(
         "gpipe": microbatches,
         "1f1b": min(microbatches, stages),
         "zb": min(microbatches, stages + 1),
-    }
-    in_flight = in_flight[schedule]
+    }[schedule]
     micro = batch_per_replica / microbatches
     return MemoryBreakdown(
         parameters=stage_param_bytes,
