@@ -67,7 +67,7 @@ def _assert_error(
 
 
 def test_torchrun_full_env() -> None:
-    spec = from_torchrun_env({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2", "SPREAD_STORE_FD": "5"})
+    spec = from_torchrun_env({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"})
     assert spec == ClusterSpec(
         role="worker",
         task_index=2,
@@ -81,7 +81,6 @@ def test_torchrun_full_env() -> None:
         master_port=29500,
         source="torchrun",
         restart_count=2,
-        store_fd=5,
     )
     assert spec.cluster == {} and spec.num_workers == 4
 
@@ -140,7 +139,6 @@ def test_torchrun_single_process_needs_no_master() -> None:
         ({"GROUP_RANK": "one"}, "GROUP_RANK", "'one'"),
         ({"NNODES": "0"}, "NNODES", "integer >= 1"),
         ({"GROUP_WORLD_SIZE": "9"}, "GROUP_WORLD_SIZE", "<= WORLD_SIZE=4"),
-        ({"SPREAD_STORE_FD": "fd3"}, "SPREAD_STORE_FD", "'fd3'"),
         ({"SPREAD_RESTART_COUNT": "-2"}, "SPREAD_RESTART_COUNT", "'-2'"),
         ({"TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT", "'x'"),
     ],
@@ -300,9 +298,9 @@ def test_tf_config_malformed(config: object, field: str, fragment: str) -> None:
 
 def test_tf_config_bad_restart_count_names_its_variable() -> None:
     _assert_error(
-        _tf(_tf_task("worker", 0)["TF_CONFIG"], SPREAD_STORE_FD="x"),
+        _tf(_tf_task("worker", 0)["TF_CONFIG"], SPREAD_RESTART_COUNT="x"),
         from_tf_config,
-        "SPREAD_STORE_FD",
+        "SPREAD_RESTART_COUNT",
         "",
         "'x'",
     )

@@ -42,7 +42,7 @@ def test_minimal_spec_is_a_single_process() -> None:
     assert (spec.master_addr, spec.master_port, spec.source) == ("127.0.0.1", 0, "single")
     assert spec.is_chief and not spec.is_distributed
     assert spec.cluster == {} and spec.num_ps == 0 and spec.num_workers == 1
-    assert spec.restart_count == 0 and spec.store_fd is None and spec.task_address is None
+    assert spec.restart_count == 0 and spec.task_address is None
 
 
 def test_properties_of_a_worker() -> None:
@@ -106,7 +106,6 @@ def test_spec_is_frozen_hashable_picklable_and_its_cluster_read_only() -> None:
         ({"master_port": 65536}, "master_port", "0..65535"),
         ({"master_port": -1}, "master_port", ">= 0"),
         ({"restart_count": -1}, "restart_count", ">= 0"),
-        ({"store_fd": -3}, "store_fd", ">= 0"),
         ({"cluster": {"boss": ("a:1",)}}, "cluster", "unknown role"),
         ({"cluster": {"worker": "a:1"}}, "cluster", "'host:port' strings"),
         ({"cluster": [("worker", ("a:1",))]}, "cluster", "mapping"),
@@ -132,7 +131,7 @@ def test_cluster_spec_error_is_a_value_error() -> None:
 
 
 def test_to_env_gives_torchrun_variables() -> None:
-    env = _spec(local_rank=1, restart_count=2, store_fd=7).to_env()
+    env = _spec(local_rank=1, restart_count=2).to_env()
     assert env == {
         "RANK": "2",
         "WORLD_SIZE": "4",

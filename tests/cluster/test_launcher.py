@@ -23,6 +23,16 @@ from spread.testing import reap_survivors
 
 pytestmark = pytest.mark.timeout(60)
 
+# Every variable torchrun 2.13 gives its workers (read from a torchrun --standalone run).
+TORCHRUN_ENV = frozenset(
+    "LOCAL_RANK RANK GROUP_RANK ROLE_RANK ROLE_NAME LOCAL_WORLD_SIZE WORLD_SIZE GROUP_WORLD_SIZE "
+    "ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS "
+    "TORCHELASTIC_RUN_ID TORCHELASTIC_USE_AGENT_STORE TORCH_NCCL_ASYNC_ERROR_HANDLING "
+    "TORCHELASTIC_ERROR_FILE TORCHELASTIC_SIGNALS_TO_HANDLE OMP_NUM_THREADS".split()
+)
+# What an outer launcher (or a shell) may have exported; none of it may reach our ranks as it was.
+OUTER_LAUNCHER_ENV = {"SPREAD_STORE_FD": "99", "TF_CONFIG": '{"cluster": {"worker": ["h:1"]}}'}
+
 
 def _script(tmp_path: Path, body: str, name: str = "child.py") -> Path:
     path = tmp_path / name
@@ -96,7 +106,8 @@ def test_each_rank_gets_its_environment_and_the_token_stays_secret(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setenv("SPREAD_STORE_FD", "99")  # as if nested in another launcher: must not leak to rank 1
+    for name, value in OUTER_LAUNCHER_ENV.items():  # as if nested in another launcher: must not leak
+        monkeypatch.setenv(name, value)
     script = _script(
         tmp_path,
         f"""
@@ -126,7 +137,15 @@ def test_each_rank_gets_its_environment_and_the_token_stays_secret(
         assert env["SPREAD_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert env["SPREAD_LAUNCHER"] == "1" and env["PYTHONUNBUFFERED"] == "1"
         assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
-    assert "SPREAD_STORE_FD" in records[0]["env"] and "SPREAD_STORE_FD" not in records[1]["env"]
+        # torchrun's whole set, with torchrun's values
+        assert set(TORCHRUN_ENV) <= env.keys(), set(TORCHRUN_ENV) - env.keys()
+        assert env["GROUP_WORLD_SIZE"] == "1" and env["ROLE_NAME"] == "default"
+        assert env["ROLE_RANK"] == str(rank) and env["ROLE_WORLD_SIZE"] == "2"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
+        assert not set(OUTER_LAUNCHER_ENV) & (env.keys() - TORCHRUN_ENV)
+    run_ids = {r["env"]["TORCHELASTIC_RUN_ID"] for r in records.values()}
+    assert len(run_ids) == 1 and len(run_ids.pop()) == 36  # one fresh UUID per launch
     tokens = {(tmp_path / f"token{r}").read_text() for r in (0, 1)}
     assert len(tokens) == 1
     token = tokens.pop()
@@ -304,31 +323,32 @@ def test_gives_up_after_max_restarts_plus_one_attempts(
     assert "gave up after 3 attempts" in err
 
 
-def test_rank0_hosts_the_store_on_the_listening_socket_it_was_handed(
+def test_the_launcher_hosts_a_fresh_store_for_each_attempt(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """As torchrun's agent store: ranks are clients of a TCPStore the launcher hosts on MASTER_PORT, a
+    new one for each attempt (torch's env:// init adds no attempt prefix under an agent store), so a
+    plain init_process_group works again after a restart."""
     script = _script(
         tmp_path,
         """
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        attempt = os.environ["SPREAD_RESTART_COUNT"]
-        if os.environ["RANK"] == "0":
-            listener = socket.socket(fileno=int(os.environ["SPREAD_STORE_FD"]))
-            print("bound", listener.getsockname()[0], listener.getsockname()[1] == port, flush=True)
-            conn, _ = listener.accept()
-            print("got", conn.recv(16).decode(), "attempt", attempt, flush=True)
-        else:
-            assert "SPREAD_STORE_FD" not in os.environ
-            with socket.create_connection((addr, port), timeout=10) as s:
-                s.sendall(b"hello")
-            if attempt == "0":
-                sys.exit(7)
+        from datetime import timedelta
+        import torch.distributed as dist
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                              timedelta(seconds=20))
+        store.add("visits", 1)  # outside any prefix: would count the failed attempt's ranks too
+        dist.init_process_group("gloo")  # env://: the agent store, prefix /worker/attempt_<n>
+        dist.barrier()
+        if os.environ["RANK"] == "1" and attempt == "0":
+            sys.exit(7)
+        print("attempt", attempt, "visits", store.add("visits", 0), flush=True)
+        dist.destroy_process_group()
     """,
     )
     assert launch(LaunchConfig(entrypoint=str(script), nproc=2, max_restarts=1)) == 0
     out = capfd.readouterr().out
-    assert out.count("[rank 0] bound 127.0.0.1 True") == 2
-    assert "[rank 0] got hello attempt 0" in out and "[rank 0] got hello attempt 1" in out
+    assert out.count("attempt 1 visits 2") == 2, out  # only this attempt's 2 ranks: a fresh store
 
 
 def test_the_rendezvous_port_is_released(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -350,7 +370,7 @@ def test_multi_node_needs_a_shared_token(tmp_path: Path, monkeypatch: pytest.Mon
         launch(config)
 
 
-def test_non_zero_node_gets_global_ranks_and_no_store_fd(
+def test_non_zero_node_gets_global_ranks_and_hosts_no_store(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPREAD_JOB_TOKEN", "shared-secret-abc")
@@ -358,7 +378,7 @@ def test_non_zero_node_gets_global_ranks_and_no_store_fd(
         tmp_path,
         """
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "SPREAD_STORE_FD")
+                "GROUP_WORLD_SIZE")
         print(json.dumps({k: os.environ.get(k) for k in keys}
                          | {"token_ok": os.environ["SPREAD_JOB_TOKEN"] == "shared-secret-abc"}))
     """,
@@ -374,7 +394,7 @@ def test_non_zero_node_gets_global_ranks_and_no_store_fd(
     assert [(r["RANK"], r["LOCAL_RANK"]) for r in records] == [("2", "0"), ("3", "1")]
     for r in records:
         assert r["WORLD_SIZE"] == "4" and r["NODE_RANK"] == "1" and r["token_ok"]
-        assert (r["MASTER_ADDR"], r["MASTER_PORT"], r["SPREAD_STORE_FD"]) == ("10.1.2.3", "29511", None)
+        assert (r["MASTER_ADDR"], r["MASTER_PORT"], r["GROUP_WORLD_SIZE"]) == ("10.1.2.3", "29511", "2")
     assert "shared-secret-abc" not in out
 
 

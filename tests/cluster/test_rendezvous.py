@@ -116,6 +116,7 @@ def test_h4_store_host_dies_after_rendezvous_workers_fail_within_the_deadline(wh
         collective_timeout=10,
         fail_fast_grace=40,
         timeout=90,
+        store_host="rank0",  # the store dies with rank 0, as in a job started without a launcher
     )
     assert results[0].exitcode == -9, results[0].describe()
     worker = results[1]

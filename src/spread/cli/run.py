@@ -8,23 +8,28 @@ Python). The launcher is imported only when the command runs, so ``spread --help
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from typing import Any
 
 _DESCRIPTION = """\
-Start N local processes ("ranks") of a Python script, each with the environment spread's
-strategies (and torch.distributed's env:// init) read:
+Start N local processes ("ranks") of a Python script with torchrun's environment, so that any script
+written for torchrun runs unchanged (and spread's strategies find their cluster):
 
-  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (= GROUP_RANK), NNODES,
-  MASTER_ADDR, MASTER_PORT, SPREAD_JOB_TOKEN, SPREAD_RESTART_COUNT (= TORCHELASTIC_RESTART_COUNT),
-  SPREAD_LAUNCHER=1, PYTHONUNBUFFERED=1, OMP_NUM_THREADS (cores / N, unless already set).
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= NODE_RANK), GROUP_WORLD_SIZE (= NNODES),
+  ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT
+  (= SPREAD_RESTART_COUNT), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+  TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_ERROR_FILE, SPREAD_JOB_TOKEN, SPREAD_LAUNCHER=1,
+  PYTHONUNBUFFERED=1, OMP_NUM_THREADS (cores / N, unless already set).
 
-On node 0 the launcher itself binds the rendezvous port (a free one unless --master-port) on
-MASTER_ADDR and hands the open socket to rank 0 (SPREAD_STORE_FD): no port race, and the store
-listens on loopback by default. Each rank's output is copied here, prefixed with "[rank R] ".
-When a rank fails, the others are stopped (SIGTERM, then SIGKILL after --kill-grace seconds,
-their child processes included) and `spread run` exits with the failing rank's code. Ctrl-C or
-SIGTERM stops every rank and exits with 130 or 143."""
+On node 0 spread run hosts the rendezvous store (a torch.distributed TCPStore, on a port it binds
+itself: a free one unless --master-port, on loopback unless --master-addr); every rank's
+init_process_group connects to it, as under torchrun. Each rank's output is copied here, prefixed
+with "[rank R] ". When a rank fails (or stays stopped by SIGSTOP for 3 s), the others are stopped
+(SIGTERM, then SIGKILL after --kill-grace seconds, their child processes included) and spread run
+exits with the failing rank's code. Ctrl-C (SIGINT), SIGTERM and SIGHUP are forwarded to every rank,
+as a terminal delivers Ctrl-C to torchrun's ranks; what is left after --kill-grace is killed."""
 
 _EPILOG = """\
 examples:
@@ -41,8 +46,11 @@ examples:
   spread run --workers 2 --ps 2 train_ps.py
       a parameter-server job: chief, 2 workers, 2 servers (TF_CONFIG per process, loopback ports)
 
+  spread run --standalone --nproc_per_node=2 train.py
+      torchrun's spellings work too (--nproc_per_node, --rdzv_endpoint, --max_restarts, ...)
+
 exit status: 0 when every rank succeeds; the first failing rank's code (128+S if killed by signal
-S); 130/143 on SIGINT/SIGTERM; 2 for usage errors."""
+S; torchrun exits 1 for any failure); 130/143 on SIGINT/SIGTERM; 2 for usage errors."""
 
 
 def _int_at_least(minimum: int) -> Any:
@@ -75,11 +83,33 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _nproc(text: str) -> int | str:
+    """torchrun's ``--nproc-per-node``: a count, or ``cpu``, ``gpu``, ``auto`` (resolved at launch)."""
+    if text in ("cpu", "gpu", "auto"):
+        return text
+    return _int_at_least(1)(text)
+
+
+def _nnodes(text: str) -> int:
+    """``K``, or torchrun's ``MIN:MAX`` range when both ends are equal."""
+    low, sep, high = text.partition(":")
+    if sep and low != high:
+        raise argparse.ArgumentTypeError(
+            f"an elastic range of nodes ({text}) is not supported: give one number of nodes, and restart "
+            f"the job at another size if machines come and go (a backup resumes at any world size)"
+        )
+    return _int_at_least(1)(low)
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``run`` subcommand to ``spread``'s subparsers."""
+    """Add the ``run`` subcommand to ``spread``'s subparsers.
+
+    torchrun's spellings are accepted too (``--nproc_per_node=2``, ``--standalone``, ``--rdzv-*``),
+    so a command copied from a tutorial works after ``s/torchrun/spread run/``.
+    """
     parser = subparsers.add_parser(
         "run",
-        help="start N processes of a training script on this machine",
+        help="start N processes of a training script on this machine (a drop-in for torchrun)",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -88,41 +118,83 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add(
         "-n",
         "--nproc-per-node",
+        "--nproc_per_node",
         dest="nproc",
-        type=_int_at_least(1),
+        type=_nproc,
         default=1,
         metavar="N",
-        help="processes to start on this machine (default: 1)",
+        help="processes to start on this machine, or cpu (one per core), gpu (one per GPU), auto "
+        "(gpu if there is one, else cpu) (default: 1)",
     )
     add(
         "--nnodes",
-        type=_int_at_least(1),
+        type=_nnodes,
         default=1,
         metavar="K",
-        help="machines in the job (default: 1); WORLD_SIZE = N * K",
+        help="machines in the job (default: 1); WORLD_SIZE = N * K (torchrun's K:K is accepted)",
     )
     add(
         "--node-rank",
+        "--node_rank",
+        dest="node_rank",
         type=_int_at_least(0),
-        default=0,
+        default=None,
         metavar="I",
         help="this machine's index in [0, K) (default: 0); RANK = I * N + LOCAL_RANK",
     )
     add(
         "--master-addr",
+        "--master_addr",
+        dest="master_addr",
         default=None,
         metavar="ADDR",
         help="address of node 0's rendezvous store (default: 127.0.0.1; needed if --nnodes > 1)",
     )
     add(
         "--master-port",
+        "--master_port",
+        dest="master_port",
         type=_port,
         default=None,
         metavar="PORT",
         help="port of the rendezvous store (default: a free port; required with --nnodes > 1)",
     )
     add(
+        "--standalone",
+        action="store_true",
+        help="torchrun's single-machine mode: the store on loopback at a free port (the default anyway)",
+    )
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="torchrun's spelling of --master-addr HOST --master-port PORT (PORT defaults to 29400)",
+    )
+    add(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        choices=("static", "c10d"),
+        default=None,
+        help="accepted for torchrun compatibility: the store is always a torch.distributed TCPStore "
+        "hosted by node 0's spread run; with --nnodes > 1 give --node-rank",
+    )
+    add(
+        "--rdzv-id",
+        "--rdzv_id",
+        "--run-id",
+        "--run_id",
+        dest="run_id",
+        default=None,
+        metavar="ID",
+        help="the job's id, given to the ranks as TORCHELASTIC_RUN_ID (default: a fresh UUID)",
+    )
+    add(
         "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
         type=_int_at_least(0),
         default=0,
         metavar="R",
@@ -131,9 +203,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add(
         "--kill-grace",
         type=_seconds,
-        default=3.0,
+        default=10.0,
         metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 3)",
+        help="seconds the ranks get to exit after a forwarded signal (Ctrl-C: SIGINT) or after another "
+        "rank failed (SIGTERM), before SIGKILL (default: 10; a second Ctrl-C kills at once)",
     )
     add(
         "--workers",
@@ -151,8 +224,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "TF_CONFIG set (use with ParameterServerStrategy; -n is then ignored)",
     )
     add("--evaluator", action="store_true", help="with --ps: also start an evaluator task")
+    add("--role", default="default", help="the ranks' role name (ROLE_NAME; default: default)")
     add("--no-prefix", action="store_true", help='do not prefix output lines with "[rank R] "')
     add("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT")
+    add(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_true",
+        help="SCRIPT is a program to run as it is, not a Python script",
+    )
     add("script", metavar="SCRIPT", help="the Python script to run (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to the script")
     parser.set_defaults(handler=lambda args: run_command(args, parser))
@@ -180,19 +261,59 @@ def _as_flags(message: str) -> str:
     return message
 
 
+def _resolve_nproc(value: int | str) -> int:
+    """A count for ``cpu``/``gpu``/``auto``: GPUs are counted by torch in a child process, since the
+    launcher itself never imports torch."""
+    if isinstance(value, int):
+        return value
+    cpus = os.cpu_count() or 1
+    if value == "cpu":
+        return cpus
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    gpus = int(result.stdout.strip() or 0) if result.returncode == 0 else 0
+    if value == "gpu" and gpus == 0:
+        raise ValueError("--nproc-per-node gpu: torch sees no CUDA device on this machine")
+    return gpus or cpus
+
+
+def _rendezvous_address(args: argparse.Namespace) -> tuple[str | None, int | None]:
+    """--master-addr/--master-port, or torchrun's --rdzv-endpoint HOST[:PORT] (one of the two)."""
+    if args.rdzv_endpoint is None:
+        return args.master_addr, args.master_port
+    if args.master_addr is not None or args.master_port is not None:
+        raise ValueError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
+    host, sep, port = args.rdzv_endpoint.rpartition(":")
+    if not sep or "]" in port:  # no port given (an IPv6 literal's colons are inside brackets)
+        host, port = args.rdzv_endpoint, "29400"
+    return host.strip("[]") or None, _port(port)
+
+
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Build the launch configuration from parsed ``args`` and run it; returns the exit status."""
     from spread.cluster.launcher import LaunchConfig, launch
 
     try:
+        if args.standalone and args.nnodes != 1:
+            raise ValueError("--standalone is a single-machine job: it cannot be combined with --nnodes > 1")
+        if args.nnodes > 1 and args.node_rank is None:
+            raise ValueError(
+                "--nnodes > 1 needs --node-rank on every machine (0 on the machine at --master-addr); "
+                "spread run does not number the machines itself as torchrun's c10d rendezvous does"
+            )
+        master_addr, master_port = _rendezvous_address(args)
         config = LaunchConfig(
             entrypoint=args.script,
             args=tuple(args.script_args),
-            nproc=args.nproc,
+            nproc=_resolve_nproc(args.nproc),
             nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
+            node_rank=args.node_rank or 0,
+            master_addr=master_addr,
+            master_port=master_port,
             module=args.module,
             max_restarts=args.max_restarts,
             kill_grace=args.kill_grace,
@@ -200,8 +321,11 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             workers=args.workers,
             ps=args.ps,
             evaluator=args.evaluator,
+            run_id=args.run_id,
+            no_python=args.no_python,
+            role=args.role,
         )
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(_as_flags(str(exc)))
     try:
         return launch(config)

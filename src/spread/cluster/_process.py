@@ -90,6 +90,16 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...), or
+    ``None`` when it is gone or the platform has no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
 def signal_group(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)

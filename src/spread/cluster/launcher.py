@@ -1,22 +1,32 @@
 """The local launcher behind ``spread run``: start N ranks, relay their output, fail fast, leave nothing.
 
-Why not just torchrun: spread wants four things torchrun does not give together.
+It keeps torchrun's contract, so that any script written for torchrun runs unchanged: the same
+environment variables (``RANK`` ... ``TORCHELASTIC_RUN_ID``), and on node 0 a rendezvous store
+hosted beside the ranks (``TORCHELASTIC_USE_AGENT_STORE=True``), to which a plain
+``init_process_group("gloo")`` and spread's own rendezvous both connect as clients, under a prefix per
+attempt. On top of it:
 
-* **No free-port race, store on loopback.** On node 0 the launcher binds the rendezvous socket itself
-  (to ``MASTER_ADDR``, port 0 unless told) and hands the open listening socket to global rank 0
-  (``SPREAD_STORE_FD``, via ``pass_fds``), which hosts its ``TCPStore`` on it. No window exists in
-  which another program can take the port, and the store never listens on all interfaces.
-* **First failure wins.** When a rank exits non-zero the others are stopped at once and
-  ``spread run`` exits with that rank's code (``128 + S`` for a rank killed by signal ``S``).
+* **No free-port race, store on loopback.** The launcher binds the store's socket itself (to
+  ``MASTER_ADDR``, port 0 unless told) and hands the open socket to the store's process
+  (:mod:`spread.cluster._store_host`): no window exists in which another program can take the port,
+  and the store never listens on all interfaces.
+* **First failure wins.** When a rank exits non-zero, or stays stopped (SIGSTOP) for
+  ``_STOPPED_LIMIT`` seconds, the others are stopped at once and ``spread run`` exits with that rank's
+  code (``128 + S`` for a rank killed by signal ``S``; torchrun exits 1 for any failure).
+* **Signals reach the ranks as a terminal delivers them.** SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to
+  the launcher are forwarded to every rank's process group, so ``except KeyboardInterrupt:`` handlers
+  run; what is still alive ``kill_grace`` seconds later is SIGKILLed (a second signal: at once).
 * **Nothing survives.** Each rank runs in its own session, so stopping a rank stops its process group
-  (its helpers and grandchildren too): SIGTERM, then SIGKILL after ``kill_grace`` seconds. Ranks get
-  ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), so even a SIGKILLed launcher leaves no rank behind. (A rank's
-  own helpers are beyond reach in that one case: the kernel kills the rank, not its group.)
-* **Bounded restarts.** ``max_restarts`` relaunches the whole group with ``SPREAD_RESTART_COUNT``
-  incremented and a fresh rendezvous socket; SIGINT/SIGTERM/SIGHUP never restart.
+  (its helpers and grandchildren too). Ranks and the store get ``PR_SET_PDEATHSIG=SIGKILL`` (Linux),
+  so even a SIGKILLed launcher leaves no rank behind.
+* **A parameter-server job ends with its training.** Once the chief and every worker have exited 0,
+  servers (and the evaluator) still running after ``kill_grace`` seconds are stopped: the job succeeds.
+* **Bounded restarts.** ``max_restarts`` relaunches the whole group with ``TORCHELASTIC_RESTART_COUNT``
+  incremented; the store lives on, and each attempt's keys live under their own prefix. Stop signals
+  never restart.
 
 This module must not import torch (or any spread module that does): ``spread run`` should be running
-the user's script a few tens of milliseconds after it is typed.
+the user's script a few tens of milliseconds after it is typed; the store's process imports torch.
 """
 
 from __future__ import annotations
@@ -26,23 +36,36 @@ import math
 import os
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from spread.cluster._output import OutputRelay
-from spread.cluster._process import bind_listener, die_with_parent_hook, group_alive, signal_group
+from spread.cluster._process import (
+    bind_listener,
+    die_with_parent_hook,
+    group_alive,
+    process_state,
+    signal_group,
+)
 
 TOKEN_ENV = "SPREAD_JOB_TOKEN"
-STORE_FD_ENV = "SPREAD_STORE_FD"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped (only the kernel can delay it)
 _RELAY_JOIN_TIMEOUT = 2.0  # a setsid'd grandchild may keep a pipe open forever; do not wait on it
-_TICK = 0.1  # seconds between checks for a stop signal while waiting on the ranks
+_TICK = 0.1  # seconds between checks for a stop signal or a stopped rank while waiting on the ranks
+_STOPPED_LIMIT = 3.0  # seconds a rank may stay stopped (SIGSTOP, state T) before it counts as failed
+_SERVICE_ROLES = ("ps", "evaluator")  # tasks of a parameter-server job that serve the training tasks
+# Variables an outer launcher may have set that would misdirect our ranks if inherited.
+_INHERITED_NOISE = ("SPREAD_STORE_FD", "TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
 
 
 def _invalid(name: str, rule: str, value: object) -> ValueError:
@@ -75,6 +98,9 @@ class LaunchConfig:
             workers, ``ps`` servers and (``evaluator``) an evaluator, each its own process with a
             ``TF_CONFIG`` naming every task's loopback address (``nproc`` is then that count).
         evaluator: with ``ps``: also start an evaluator task.
+        run_id: the job's id (``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``); a fresh UUID if ``None``.
+        no_python: run ``entrypoint`` as a program, not as a Python script (torchrun's ``--no-python``).
+        role: the workers' role name (``ROLE_NAME``, torchrun's ``--role``).
     """
 
     entrypoint: str
@@ -86,11 +112,14 @@ class LaunchConfig:
     master_port: int | None = None
     module: bool = False
     max_restarts: int = 0
-    kill_grace: float = 3.0
+    kill_grace: float = 10.0
     prefix_output: bool = True
     workers: int = 0
     ps: int = 0
     evaluator: bool = False
+    run_id: str | None = None
+    no_python: bool = False
+    role: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("workers", "ps"):
@@ -106,6 +135,12 @@ class LaunchConfig:
             object.__setattr__(self, "nproc", len(self.ps_tasks()))
         if not isinstance(self.entrypoint, str) or not self.entrypoint:
             raise _invalid("entrypoint", "must be a non-empty script path or module name", self.entrypoint)
+        if self.module and self.no_python:
+            raise _invalid("module", "cannot be combined with no_python", self.module)
+        for name in ("run_id", "role"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _invalid(name, "must be a non-empty string", value)
         if isinstance(self.args, str) or not all(isinstance(a, str) for a in self.args):
             raise _invalid("args", "must be a sequence of strings", self.args)
         object.__setattr__(self, "args", tuple(self.args))
@@ -154,6 +189,8 @@ class LaunchConfig:
 
     def command(self) -> list[str]:
         """The command line every rank runs (the same for all ranks; no secrets on it)."""
+        if self.no_python:
+            return [self.entrypoint, *self.args]
         target = ["-m", self.entrypoint] if self.module else [self.entrypoint]
         return [sys.executable, "-u", *target, *self.args]
 
@@ -189,7 +226,8 @@ def _job_token(config: LaunchConfig) -> str:
 
 
 class _SignalTrap:
-    """Turns SIGINT/SIGTERM/SIGHUP into queue events, so the main loop stops the ranks in order.
+    """Turns stop signals (SIGINT, SIGTERM, SIGHUP, SIGQUIT) into queue events, so the main loop
+    forwards them to the ranks in order.
 
     ``queue.SimpleQueue.put`` is reentrant, hence safe to call from a signal handler that interrupts
     the main thread inside ``get``. Handlers are installed only on the main thread (Python's rule).
@@ -216,82 +254,209 @@ class _SignalTrap:
         self.events.put(("signal", signum))
 
 
-@dataclass
-class _Outcome:
-    failure: tuple[int, int] | None = None  # (global rank, returncode) of the first failing rank
+class _StoreHost:
+    """Node 0's rendezvous store for one attempt: a process serving a ``TCPStore`` on a socket bound
+    here (see :mod:`spread.cluster._store_host`). Ends when :meth:`close` closes its stdin.
+
+    A fresh store per attempt, as torchrun's agent makes one per rendezvous round: torch's ``env://``
+    init relies on it (it adds no per-attempt prefix of its own under an agent store).
+    """
+
+    def __init__(self, addr: str, port: int) -> None:
+        listener = bind_listener(addr, port)
+        try:
+            self.addr, self.port = listener.getsockname()[:2]  # the numeric address it listens on
+            fd = listener.fileno()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spread.cluster._store_host", str(fd), self.addr, str(self.port)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent_hook(),
+                pass_fds=(fd,),
+            )
+        finally:
+            listener.close()  # the store's process holds its own copy; the port dies with it
+
+    def close(self) -> None:
+        """Stop serving (the port is free again when this returns)."""
+        try:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class _ErrorFiles:
+    """torchrun's ``TORCHELASTIC_ERROR_FILE``: a path per rank and attempt where a script decorated with
+    ``torch.distributed.elastic.multiprocessing.errors.record`` writes its exception as JSON, read
+    back to name the failure. The directory is private to the launch and removed with it."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="spread-run-"))
+
+    def path(self, attempt: int, rank: int) -> Path:
+        folder = self.root / f"attempt_{attempt}" / str(rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / "error.json"
+
+    def summary(self, attempt: int, rank: int) -> str | None:
+        """The first line of the recorded exception, if the rank recorded one."""
+        try:
+            record = json.loads(self.path(attempt, rank).read_text())
+            message = record["message"]
+            text = message["message"] if isinstance(message, dict) else message
+            return str(text).strip().splitlines()[0] or None
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """The first failing rank of an attempt: its global rank and how it failed."""
+
+    rank: int
+    returncode: int  # Popen's: -S when killed by signal S
+    stopped_for: float | None = None  # seconds it stayed stopped, when that is why it failed
+
+    @property
+    def code(self) -> int:
+        return 128 + signal.SIGSTOP if self.stopped_for is not None else exit_code(self.returncode)
+
+    def describe(self) -> str:
+        if self.stopped_for is not None:
+            return f"rank {self.rank} stayed stopped (SIGSTOP) for {self.stopped_for:.1f}s"
+        return _describe(self.rank, self.returncode)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What lives across attempts: the job token and id, the output relay, the error files."""
+
+    config: LaunchConfig
+    token: str
+    run_id: str
+    trap: _SignalTrap
+    relay: OutputRelay
+    errors: _ErrorFiles
 
 
 class _Attempt:
     """One launch of all local ranks: spawn, watch, stop. Never reused."""
 
-    def __init__(self, config: LaunchConfig, number: int, token: str, trap: _SignalTrap, relay: OutputRelay):
-        self.config, self.number, self.token, self.trap, self.relay = config, number, token, trap, relay
-        self.events = trap.events
+    def __init__(self, launch: _Launch, number: int):
+        self.launch, self.config, self.number = launch, launch.config, number
+        self.trap, self.relay, self.events = launch.trap, launch.relay, launch.trap.events
         self.procs: list[subprocess.Popen] = []
         self.returncodes: dict[int, int] = {}
         self.threads: list[threading.Thread] = []
         self.tf_config: dict[str, list[str]] | None = None
+        self.stopped_since: dict[int, float] = {}
 
     def rank(self, local_rank: int) -> int:
         return self.config.node_rank * self.config.nproc + local_rank
 
-    def _env(self, local_rank: int, addr: str, port: int, store_fd: int | None) -> dict[str, str]:
+    def _is_service(self, local_rank: int) -> bool:
+        return bool(self.config.ps) and self.config.ps_tasks()[local_rank][0] in _SERVICE_ROLES
+
+    def _env(self, local_rank: int, addr: str, port: int) -> dict[str, str]:
         c = self.config
         env = dict(os.environ)
-        env.pop(STORE_FD_ENV, None)  # an fd number inherited from an outer launcher means nothing here
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # there is no torchelastic agent store under us
+        for name in _INHERITED_NOISE:
+            env.pop(name, None)
+        rank = self.rank(local_rank)
         env.update(
-            RANK=str(self.rank(local_rank)),
+            RANK=str(rank),
             WORLD_SIZE=str(c.world_size),
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(c.nproc),
             GROUP_RANK=str(c.node_rank),
+            GROUP_WORLD_SIZE=str(c.nnodes),
+            ROLE_NAME=c.role,
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(c.world_size),
             NODE_RANK=str(c.node_rank),
             NNODES=str(c.nnodes),
             MASTER_ADDR=addr,
             MASTER_PORT=str(port),
-            SPREAD_RESTART_COUNT=str(self.number),
             TORCHELASTIC_RESTART_COUNT=str(self.number),
+            TORCHELASTIC_MAX_RESTARTS=str(c.max_restarts),
+            TORCHELASTIC_RUN_ID=self.launch.run_id,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in _STOP_SIGNALS),
+            TORCHELASTIC_ERROR_FILE=str(self.launch.errors.path(self.number, rank)),
+            SPREAD_RESTART_COUNT=str(self.number),
             SPREAD_LAUNCHER="1",
             PYTHONUNBUFFERED="1",
         )
-        env[TOKEN_ENV] = self.token
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        env[TOKEN_ENV] = self.launch.token
+        if self.relay.live:
+            env["SPREAD_STDOUT_TTY"] = "1"
+        else:
+            env.pop("SPREAD_STDOUT_TTY", None)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // c.nproc))
-        if store_fd is not None:
-            env[STORE_FD_ENV] = str(store_fd)
         if self.tf_config is not None:  # a parameter-server job: roles come from TF_CONFIG alone
-            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+            for name in (
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+                "GROUP_WORLD_SIZE",
+                "ROLE_RANK",
+                "ROLE_WORLD_SIZE",
+                "NODE_RANK",
+                "TORCHELASTIC_USE_AGENT_STORE",
+            ):
                 env.pop(name, None)
             role, index = c.ps_tasks()[local_rank]
             env["TF_CONFIG"] = json.dumps({"cluster": self.tf_config, "task": {"type": role, "index": index}})
         return env
 
-    def run(self) -> _Outcome:
+    def run(self) -> _Failure | None:
         """Spawn every local rank, wait for all or the first failure, and stop whatever remains."""
         c = self.config
+        store = (
+            _StoreHost(c.master_addr or DEFAULT_MASTER_ADDR, c.master_port or 0)
+            if self._hosts_store()
+            else None
+        )
+        try:
+            return self._run(store)
+        finally:
+            if store is not None:
+                store.close()
+
+    def _hosts_store(self) -> bool:
+        return self.config.node_rank == 0 and not self.config.ps
+
+    def _run(self, store: _StoreHost | None) -> _Failure | None:
+        c = self.config
         addr, port = c.master_addr or DEFAULT_MASTER_ADDR, c.master_port or 0
-        listener = bind_listener(addr, port) if c.node_rank == 0 and not c.ps else None
+        if store is not None:  # children connect to the numeric address it listens on
+            addr, port = store.addr, store.port
         if c.ps:
             self.tf_config = _ps_cluster(c, addr)
         try:
-            if listener is not None:  # children connect to the numeric address the store listens on
-                addr, port = listener.getsockname()[:2]
             hook = die_with_parent_hook()
             for local_rank in range(c.nproc):
                 if self.trap.signum is not None:
                     break
-                fd = listener.fileno() if listener is not None and self.rank(local_rank) == 0 else None
                 self.procs.append(
                     subprocess.Popen(
                         c.command(),
-                        env=self._env(local_rank, addr, port, fd),
+                        env=self._env(local_rank, addr, port),
                         stdin=None if self.rank(local_rank) == 0 else subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         start_new_session=True,
                         preexec_fn=hook,
-                        pass_fds=() if fd is None else (fd,),
                     )
                 )
         except OSError:  # a rank could not start: the ones that did must not outlive this call
@@ -301,9 +466,6 @@ class _Attempt:
                 proc.stdout.close()  # type: ignore[union-attr]
                 proc.stderr.close()  # type: ignore[union-attr]
             raise
-        finally:
-            if listener is not None:
-                listener.close()  # rank 0 holds its own copy; the port dies with rank 0
         # Threads start only after every fork: preexec_fn must not run while other threads hold locks.
         for local_rank, proc in enumerate(self.procs):
             rank = self.rank(local_rank)
@@ -311,18 +473,24 @@ class _Attempt:
             self.threads.append(self.relay.start(label, proc.stdout, "stdout"))  # type: ignore[arg-type]
             self.threads.append(self.relay.start(label, proc.stderr, "stderr"))  # type: ignore[arg-type]
             threading.Thread(target=self._watch, args=(local_rank, proc), daemon=True).start()
-        outcome = self._wait()
+        failure = self._wait()
         running = len(self.procs) - len(self.returncodes)
-        self._stop()
+        finished = failure is None and self.trap.signum is None
+        if finished and running:  # a parameter-server job whose training tasks are all done
+            self._stop(signal.SIGTERM, wait_first=True)
+        else:
+            self._stop(self.trap.signum or signal.SIGTERM)
         for thread in self.threads:
             thread.join(timeout=_RELAY_JOIN_TIMEOUT)
-        if outcome.failure is not None:
-            rank, code = outcome.failure
-            self.relay.note(f"{_describe(rank, code)}; stopped the other {running} process(es)")
+        if failure is not None:
+            summary = self.launch.errors.summary(self.number, failure.rank)
+            detail = f" ({summary})" if summary else ""
+            others = running - (failure.stopped_for is not None)  # a stopped rank is still running
+            self.relay.note(f"{failure.describe()}{detail}; stopped the other {others} process(es)")
         elif self.trap.signum is not None:
             name = signal.Signals(self.trap.signum).name
-            self.relay.note(f"received {name}; stopped {running} process(es)")
-        return outcome
+            self.relay.note(f"received {name}; forwarded it to {running} process(es) and stopped them")
+        return failure
 
     def _watch(self, local_rank: int, proc: subprocess.Popen) -> None:
         self.events.put(("exit", self.number, local_rank, proc.wait()))
@@ -340,41 +508,83 @@ class _Attempt:
             self.returncodes[local_rank] = returncode
         return False
 
-    def _wait(self) -> _Outcome:
+    def _stopped_rank(self) -> _Failure | None:
+        """A rank that has been stopped (SIGSTOP, state ``T``) for ``_STOPPED_LIMIT`` seconds. Its peers
+        would otherwise wait in their next collective for the whole collective timeout."""
+        now = time.monotonic()
+        for local_rank, proc in enumerate(self.procs):
+            if local_rank in self.returncodes or process_state(proc.pid) != "T":
+                self.stopped_since.pop(local_rank, None)
+                continue
+            since = self.stopped_since.setdefault(local_rank, now)
+            if now - since >= _STOPPED_LIMIT:
+                return _Failure(self.rank(local_rank), -signal.SIGSTOP, stopped_for=now - since)
+        return None
+
+    def _wait(self) -> _Failure | None:
+        """Until every rank exits, a rank fails, a stop signal arrives, or (parameter-server job) every
+        training task has exited 0."""
         if self.trap.signum is not None:
-            return _Outcome()
+            return None
+        training = [r for r in range(len(self.procs)) if not self._is_service(r)]
         while len(self.returncodes) < len(self.procs):
             seen = set(self.returncodes)
             # A timeout, not a blocking get: a signal delivered to a relay thread only runs its Python
             # handler when the main thread next executes bytecode.
             if self._take(_TICK):
-                return _Outcome()
+                return None
             for local_rank in self.returncodes.keys() - seen:
                 if self.returncodes[local_rank] != 0:
-                    return _Outcome(failure=(self.rank(local_rank), self.returncodes[local_rank]))
-        return _Outcome()
+                    return _Failure(self.rank(local_rank), self.returncodes[local_rank])
+            if (stopped := self._stopped_rank()) is not None:
+                return stopped
+            if self.config.ps and all(self.returncodes.get(r) == 0 for r in training):
+                return None
+        return None
 
-    def _stop(self) -> None:
-        """SIGTERM every rank's process group, SIGKILL what is left after the grace, reap the ranks.
+    def _stop(self, signum: int, *, wait_first: bool = False) -> None:
+        """Send ``signum`` to every rank's process group (SIGCONT too, so a stopped rank receives it),
+        SIGKILL what is left after the grace, and reap the ranks.
 
-        Groups of ranks that already exited are signalled too: their grandchildren live there.
-        A second stop signal during the grace skips the rest of it.
+        With ``wait_first`` the ranks get the grace to exit on their own before the signal (servers of
+        a finished parameter-server job, which the chief normally stops itself). Groups of ranks that
+        already exited are signalled too: their grandchildren live there. A stop signal during the
+        grace skips the rest of it.
         """
         pgids = [p.pid for p in self.procs]
+        grace = self.config.kill_grace
+        if wait_first:
+            if self._wait_for_groups(pgids, grace):
+                return self._reap()
+            left = [self.config.ps_tasks()[r][0] for r in range(len(pgids)) if r not in self.returncodes]
+            self.relay.note(
+                f"every training task finished; stopping {len(left)} task(s) still running "
+                f"({', '.join(left)}) after {grace:g}s"
+            )
         live = [g for g in pgids if group_alive(g)]
         if live:
             if self.returncodes.keys() >= set(range(len(self.procs))) and self.trap.signum is None:
                 self.relay.note(f"stopping {len(live)} process group(s) left behind by ranks that exited")
             for pgid in live:
-                signal_group(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + self.config.kill_grace
-            while (remaining := deadline - time.monotonic()) > 0:
-                if self._take(min(remaining, 0.05)):
-                    break
-                if not any(group_alive(g) for g in live):
-                    break
+                signal_group(pgid, signum)
+                signal_group(pgid, signal.SIGCONT)
+            self._wait_for_groups(live, grace)
             for pgid in live:
                 signal_group(pgid, signal.SIGKILL)
+        self._reap()
+
+    def _wait_for_groups(self, pgids: list[int], seconds: float) -> bool:
+        """Wait up to ``seconds`` for every group to be gone; False when a stop signal cut it short or
+        some group is still alive."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self._take(min(remaining, 0.05)):
+                return False
+            if not any(group_alive(g) for g in pgids):
+                return True
+        return not any(group_alive(g) for g in pgids)
+
+    def _reap(self) -> None:
         deadline = time.monotonic() + _REAP_TIMEOUT
         while len(self.returncodes) < len(self.procs) and time.monotonic() < deadline:
             self._take(0.05)
@@ -401,7 +611,10 @@ def _ps_cluster(config: LaunchConfig, host: str) -> dict[str, list[str]]:
 
 
 def _check_entrypoint(config: LaunchConfig) -> None:
-    if not config.module and not os.path.isfile(config.entrypoint):
+    if config.no_python:
+        if shutil.which(config.entrypoint) is None:
+            raise FileNotFoundError(f"program not found: {config.entrypoint!r} (with --no-python)")
+    elif not config.module and not os.path.isfile(config.entrypoint):
         raise FileNotFoundError(
             f"script not found: {config.entrypoint!r} (relative to {os.getcwd()}); "
             f"to run a module instead, pass -m (module=True)"
@@ -411,10 +624,11 @@ def _check_entrypoint(config: LaunchConfig) -> None:
 def launch(config: LaunchConfig) -> int:
     """Run the job described by ``config`` on this node; return the exit code for ``spread run``.
 
-    Blocks until every rank has exited. Returns 0 when all ranks of an attempt succeed; otherwise,
-    once restarts are spent, the first failing rank's exit code (``128 + S`` when killed by signal
-    ``S``); ``128 + S`` when the launcher itself receives SIGINT, SIGTERM or SIGHUP (the ranks are
-    stopped, never restarted). Either way no rank or rank helper is left running.
+    Blocks until every rank has exited. Returns 0 when all ranks of an attempt succeed (for a
+    parameter-server job: the chief and every worker); otherwise, once restarts are spent, the first
+    failing rank's exit code (``128 + S`` when killed by signal ``S``, 147 for a rank left stopped);
+    ``128 + S`` when the launcher itself receives SIGINT, SIGTERM, SIGHUP or SIGQUIT (forwarded to the
+    ranks, never restarted). Either way no rank, rank helper or store is left running.
 
     Raises:
         FileNotFoundError: the script does not exist (nothing was started).
@@ -425,25 +639,30 @@ def launch(config: LaunchConfig) -> int:
     _check_entrypoint(config)
     token = _job_token(config)
     relay = OutputRelay(prefix=config.prefix_output)
+    if os.environ.get("TF_CONFIG", "").strip() and not config.ps:
+        relay.note(
+            "TF_CONFIG is set in this shell and is not passed to the ranks: spread run gives them their "
+            "own cluster (RANK, WORLD_SIZE, MASTER_ADDR, ...); unset it to silence this note"
+        )
     attempts = config.max_restarts + 1
+    failure: _Failure | None = None
     with _SignalTrap(queue.SimpleQueue()) as trap:
-        for number in range(attempts):
-            if trap.signum is not None:
-                break
-            outcome = _Attempt(config, number, token, trap, relay).run()
-            if trap.signum is not None:
-                break
-            if outcome.failure is None:
-                return 0
-            rank, returncode = outcome.failure
-            if number + 1 < attempts:
-                relay.note(
-                    f"restarting (attempt {number + 2} of {attempts}) after {_describe(rank, returncode)}"
-                )
-            elif attempts > 1:
-                relay.note(
-                    f"gave up after {attempts} attempts; the last failure: {_describe(rank, returncode)}"
-                )
+        job = _Launch(config, token, config.run_id or str(uuid.uuid4()), trap, relay, _ErrorFiles())
+        try:
+            for number in range(attempts):
+                if trap.signum is not None:
+                    break
+                failure = _Attempt(job, number).run()
+                if trap.signum is not None:
+                    break
+                if failure is None:
+                    return 0
+                if number + 1 < attempts:
+                    relay.note(f"restarting (attempt {number + 2} of {attempts}) after {failure.describe()}")
+                elif attempts > 1:
+                    relay.note(f"gave up after {attempts} attempts; the last failure: {failure.describe()}")
+        finally:
+            job.errors.close()
         if trap.signum is not None:
             return 128 + trap.signum
-        return exit_code(outcome.failure[1])  # type: ignore[index]
+        return failure.code if failure is not None else 0

@@ -5,8 +5,9 @@ stray process from the job's own, waits silently for ranks that never start, and
 ``torchrun --max-restarts`` the restarted attempt reads the dead attempt's addresses from the agent's
 store. Here:
 
-* rank 0 hosts a ``TCPStore`` on a socket bound to ``MASTER_ADDR`` (loopback by default), or on the
-  listening socket the launcher passed down (no free-port race);
+* under a launcher (``spread run``, torchrun) the launcher hosts the ``TCPStore`` and every rank is a
+  client; without one, rank 0 hosts it on a socket bound to ``MASTER_ADDR`` only (loopback by
+  default), and a rank waiting for it says so every few seconds;
 * every key lives under ``spread/<attempt>/``, so restarted attempts never meet stale keys;
 * rank 0 publishes a nonce and an HMAC of it under the job token; other ranks verify it before they
   write anything, so a process with the wrong token is refused and leaves no trace in the job;
@@ -21,6 +22,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +35,7 @@ from spread.errors import JobTokenError, RendezvousError
 
 TOKEN_ENV = "SPREAD_JOB_TOKEN"
 _DEFAULT_TOKEN = "spread-default-job-token"
+_WAIT_NOTICE = 10.0  # seconds between "still waiting for the store" messages
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -91,53 +94,68 @@ class Rendezvous:
         self._owns_group = False
 
 
-def _open_store(spec: ClusterSpec, timeout: float) -> dist.TCPStore:
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    host, port = spec.master_addr, spec.master_port
-    if spec.rank == 0 and not agent_store:
-        fd = spec.store_fd
-        listener = None
-        if fd is None:
-            # Bind ourselves so the store listens on MASTER_ADDR only (TCPStore alone binds all interfaces).
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                listener.bind((host, port))
-            except OSError as exc:
-                listener.close()
-                raise RendezvousError(
-                    f"rank 0: cannot listen on {host}:{port} for the rendezvous store: {exc}"
-                ) from exc
-            listener.listen(128)
-            fd = listener.fileno()
-            port = listener.getsockname()[1]
+def _host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """Rank 0 without a launcher's store: bind ``host:port`` ourselves (TCPStore alone would listen on
+    every interface) and serve the store on that socket, which the store then owns and closes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(128)
         store = dist.TCPStore(
             host,
-            port,
+            listener.getsockname()[1],
             None,
             True,
             timedelta(seconds=timeout),
             wait_for_workers=False,
-            master_listen_fd=fd,
+            master_listen_fd=listener.fileno(),
         )
-        if listener is not None:
-            store._spread_listener = listener  # type: ignore[attr-defined]  # keep the fd alive
-        return store
-    deadline = time.monotonic() + timeout
+    except (OSError, RuntimeError) as exc:
+        listener.close()
+        raise RendezvousError(f"rank 0: cannot host the rendezvous store on {host}:{port}: {exc}") from exc
+    listener.detach()  # the store closes the descriptor when it is destroyed: never close it twice
+    return store
+
+
+def _connect_store(spec: ClusterSpec, timeout: float) -> dist.TCPStore:
+    """Connect to the store as a client, saying every ``_WAIT_NOTICE`` seconds whom we are waiting for:
+    a worker started before its chief must not look hung."""
+    host, port = spec.master_addr, spec.master_port
+    start = time.monotonic()
+    deadline = start + timeout
     last_error: Exception | None = None
-    while time.monotonic() < deadline:
+    while (remaining := deadline - time.monotonic()) > 0:
         try:
-            return dist.TCPStore(
-                host, port, None, False, timedelta(seconds=max(1.0, deadline - time.monotonic()))
-            )
-        except (RuntimeError, ValueError) as exc:  # connection refused until rank 0 is up
+            return dist.TCPStore(host, port, None, False, timedelta(seconds=min(remaining, _WAIT_NOTICE)))
+        except (RuntimeError, ValueError) as exc:  # refused or timed out until the store's host is up
             last_error = exc
-            time.sleep(0.05)
+        waited = time.monotonic() - start
+        if waited >= _WAIT_NOTICE and deadline - time.monotonic() > 0:
+            print(
+                f"spread: rank {spec.rank}: waiting for the rendezvous store at {host}:{port} "
+                f"(rank 0 or the launcher hosts it) for {waited:.0f}s of {timeout:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(0.05)
     raise RendezvousError(
         f"rank {spec.rank}: could not reach the rendezvous store at {host}:{port} within {timeout:.0f}s "
         f"(is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?): {last_error}"
     )
+
+
+def _open_store(spec: ClusterSpec, timeout: float) -> dist.TCPStore:
+    """The job's store.
+
+    Under ``spread run`` or torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the launcher hosts the
+    store and every rank is a client; without a launcher rank 0 hosts it.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if spec.rank == 0 and not agent_store:
+        return _host_store(spec.master_addr, spec.master_port, timeout)
+    return _connect_store(spec, timeout)
 
 
 def _check_token(store: dist.Store, spec: ClusterSpec, token: str, timeout: float) -> None:

@@ -63,11 +63,10 @@ def _port(env: Mapping[str, str], name: str, *, default: int | None = None, mini
     return port
 
 
-def _launcher_fields(env: Mapping[str, str]) -> tuple[int, int | None]:
-    """(restart count, inherited store socket): set by the launcher whatever the dialect."""
+def _restart_count(env: Mapping[str, str]) -> int:
+    """The launcher's attempt number (0 on the first attempt), whatever the dialect."""
     restarts = _first(env, "SPREAD_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
-    store_fd = _int(env, "SPREAD_STORE_FD") if "SPREAD_STORE_FD" in env else None
-    return (_int(env, restarts) if restarts else 0), store_fd
+    return _int(env, restarts) if restarts else 0
 
 
 def _training_spec(
@@ -85,7 +84,6 @@ def _training_spec(
 ) -> ClusterSpec:
     """The spec of a rank-based launcher's process: rank 0 is the chief, rank r > 0 is worker r - 1
     (chief first, then workers, as in TF_CONFIG)."""
-    restart_count, store_fd = _launcher_fields(env)
     return ClusterSpec(
         role="chief" if rank == 0 else "worker",
         task_index=max(rank - 1, 0),
@@ -98,8 +96,7 @@ def _training_spec(
         master_addr=master_addr,
         master_port=master_port,
         source=source,
-        restart_count=restart_count,
-        store_fd=store_fd,
+        restart_count=_restart_count(env),
     )
 
 
@@ -186,7 +183,6 @@ def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterSpec:
         same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
         local_rank, local_world, node_rank = same_host.index(rank), len(same_host), nodes.index(hosts[rank])
     master_addr, master_port = _tf_json.split_address((*chiefs, *workers)[0], "")
-    restart_count, store_fd = _launcher_fields(env)
     return ClusterSpec(
         role=role,
         task_index=index,
@@ -200,8 +196,7 @@ def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterSpec:
         master_port=master_port,
         cluster=cluster,
         source="tf_config",
-        restart_count=restart_count,
-        store_fd=store_fd,
+        restart_count=_restart_count(env),
     )
 
 
@@ -290,13 +285,11 @@ def resolve_cluster(env: Mapping[str, str] | None = None) -> ClusterSpec:
     slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
     if slurm and (env["SLURM_NTASKS"].strip() != "1" or "SLURM_STEP_ID" in env):
         return from_slurm_env(env)
-    restart_count, store_fd = _launcher_fields(env)
     return ClusterSpec(
         role="chief",
         task_index=0,
         rank=0,
         world_size=1,
         source="single",
-        restart_count=restart_count,
-        store_fd=store_fd,
+        restart_count=_restart_count(env),
     )

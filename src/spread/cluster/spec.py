@@ -112,7 +112,6 @@ class ClusterSpec:
         source: which resolver produced the spec; one of :data:`SOURCES`.
         restart_count: how many times the launcher has restarted the job (0 on the first attempt);
             rendezvous namespaces its keys by it so restarted attempts never read stale keys.
-        store_fd: a listening socket the launcher opened for rank 0's store, if any.
     """
 
     role: str
@@ -128,7 +127,6 @@ class ClusterSpec:
     cluster: Mapping[str, tuple[str, ...]] = field(default_factory=FrozenCluster)
     source: str = "single"
     restart_count: int = 0
-    store_fd: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -175,8 +173,6 @@ class ClusterSpec:
                 "master_port", "", f"expected a port in 0..{_MAX_PORT}, got {self.master_port}"
             )
         _check_int("restart_count", self.restart_count, minimum=0)
-        if self.store_fd is not None:
-            _check_int("store_fd", self.store_fd, minimum=0)
         object.__setattr__(self, "cluster", _freeze_cluster(self.cluster))
         self._check_cluster_agrees()
 
@@ -240,8 +236,7 @@ class ClusterSpec:
         """The torchrun-style variables for this process, so a spec survives a trip through a child's env.
 
         ``from_torchrun_env(spec.to_env())`` gives back this spec with ``source="torchrun"`` and no
-        cluster list. ``store_fd`` is left out: a file descriptor number means nothing in another
-        process unless the launcher passes the descriptor itself (it sets ``SPREAD_STORE_FD`` then).
+        cluster list.
 
         Raises:
             ClusterSpecError: for a ``ps`` or ``evaluator`` task, which has no rank to export.

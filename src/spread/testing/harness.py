@@ -1,10 +1,12 @@
 """Run a function as N ranks of one job on loopback, with a hard deadline and full cleanup.
 
 Each rank is a fresh spawned process (no state inherited from the test process) with the same
-environment ``spread run`` gives: RANK, WORLD_SIZE, MASTER_ADDR/PORT, a job token, and the rendezvous
-listening socket handed to rank 0 (so there is no free-port race between concurrent tests). Results
-travel back over a local pipe. Whatever happens (a failure, a hang, the deadline) every rank's
-process group is killed before this returns, and each rank's outcome or traceback is reported.
+environment ``spread run`` gives: RANK, WORLD_SIZE, MASTER_ADDR/PORT, a job token, and a rendezvous
+store hosted by the caller on a socket it bound itself (so there is no free-port race between
+concurrent tests), as ``spread run`` and torchrun host it; or, with ``store_host="rank0"``, rank 0
+hosts it, as in a job started without a launcher. Results travel back over a local pipe. Whatever
+happens (a failure, a hang, the deadline) every rank's process group is killed before this returns,
+and each rank's outcome or traceback is reported.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -58,7 +61,6 @@ def _child_main(
     fn: Callable[..., Any],
     rank: int,
     env: dict[str, str],
-    listener: socket.socket | None,
     conn: Connection,
     args: tuple,
     kwargs: dict,
@@ -66,9 +68,6 @@ def _child_main(
     os.setpgrp()  # one process group per rank: the parent kills the rank and its helpers together
     _die_with_parent()
     os.environ.update(env)
-    if listener is not None:
-        os.environ["SPREAD_STORE_FD"] = str(listener.fileno())
-        globals()["_listener"] = listener  # keep the fd open for the store
     try:
         value = fn(*args, **kwargs)
         # Plain pickle (not multiprocessing's): tensors travel by value, not as shared memory that
@@ -102,6 +101,7 @@ def launch_ranks(
     init_timeout: float = 30.0,
     collective_timeout: float = 30.0,
     fail_fast_grace: float | None = None,
+    store_host: str = "launcher",
 ) -> list[RankResult]:
     """Start ``nprocs`` ranks running ``fn(*args, **kwargs)`` and return every rank's outcome.
 
@@ -109,14 +109,34 @@ def launch_ranks(
     for single ranks (for example a wrong job token). After the first rank fails, the others get
     ``fail_fast_grace`` seconds (default: the collective timeout plus 10) to fail or finish on their
     own, which is how tests measure that peers notice a failure; then everything is killed.
+    ``store_host``: ``"launcher"`` (this process hosts the rendezvous store for the ranks' lifetime,
+    ``TORCHELASTIC_USE_AGENT_STORE=True``) or ``"rank0"`` (rank 0 hosts it on a free port).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs!r}")
+    if store_host not in ("launcher", "rank0"):
+        raise ValueError(f"store_host must be 'launcher' or 'rank0', got {store_host!r}")
     ctx = mp.get_context("spawn")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
+    store = None
+    try:
+        if store_host == "launcher":
+            import torch.distributed as dist
+
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                None,
+                True,
+                timedelta(seconds=timeout),
+                wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
+            )
+    finally:  # the store owns the descriptor now and closes it; for rank 0, the port is free again
+        listener.detach() if store is not None else listener.close()
     base_env = {
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
@@ -127,6 +147,7 @@ def launch_ranks(
         "SPREAD_COLLECTIVE_TIMEOUT": str(collective_timeout),
         "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": "lo",
+        **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if store is not None else {}),
         **(env or {}),
     }
     grace = collective_timeout + 10.0 if fail_fast_grace is None else fail_fast_grace
@@ -147,7 +168,6 @@ def launch_ranks(
                     fn,
                     rank,
                     child_env,
-                    listener if rank == 0 else None,
                     child_conn,
                     args,
                     dict(kwargs or {}),
@@ -158,11 +178,10 @@ def launch_ranks(
             child_conn.close()
             procs.append(proc)
             conns.append(parent_conn)
-        listener.close()  # rank 0 holds its own copy now
         _collect(procs, conns, results, start, timeout, grace)
     finally:
-        listener.close()
         _kill_all(procs)
+        del store
         for c in conns:
             c.close()
     return results
