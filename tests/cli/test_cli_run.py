@@ -107,6 +107,61 @@ def test_bad_arguments_exit_2_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--standalone", "--nproc_per_node=2", "t.py"], {"nproc": 2, "nnodes": 1, "master_addr": None}),
+        (["--nproc-per-node", "cpu", "t.py"], {"nproc": os.cpu_count()}),
+        (
+            [
+                "--nnodes=1",
+                "--nproc_per_node=2",
+                "--rdzv_backend=c10d",
+                "--rdzv_endpoint=localhost:29400",
+                "t.py",
+            ],
+            {"nproc": 2, "master_addr": "localhost", "master_port": 29400},
+        ),
+        (["--rdzv-endpoint", "10.0.0.1", "--nnodes", "2:2", "--node_rank=1", "t.py"], {"master_port": 29400}),
+        (
+            ["--rdzv_id=job7", "--max_restarts=3", "--role", "trainer", "t.py"],
+            {"run_id": "job7", "max_restarts": 3},
+        ),
+        (
+            ["--master_addr=127.0.0.1", "--master_port=29511", "t.py", "--lr=1"],
+            {"master_port": 29511, "args": ("--lr=1",)},
+        ),
+        (["--no_python", "t.py"], {"no_python": True}),
+    ],
+)
+def test_torchrun_spellings_are_accepted(
+    args: list[str], expected: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import spread.cluster.launcher as launcher
+
+    seen = []
+    monkeypatch.setattr(launcher, "launch", lambda config: seen.append(config) or 0)
+    assert main(["run", *args]) == 0
+    assert {name: getattr(seen[0], name) for name in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nnodes", "1:4", "t.py"], "elastic range of nodes (1:4) is not supported"),
+        (["--standalone", "--nnodes", "2", "t.py"], "--standalone is a single-machine job"),
+        (["--nnodes", "2", "--master-addr", "h", "--master-port", "1", "t.py"], "needs --node-rank"),
+        (["--rdzv-endpoint", "h:1", "--master-port", "2", "t.py"], "either --rdzv-endpoint or --master-addr"),
+        (["--rdzv-backend", "etcd", "t.py"], "invalid choice: 'etcd'"),
+    ],
+)
+def test_torchrun_options_spread_cannot_honour_are_refused(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_missing_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(tmp_path / "missing.py")]) == 2
     assert "script not found" in capsys.readouterr().err
@@ -221,3 +276,41 @@ def test_launcher_imports_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, "spread run would import torch at start-up: " + result.stderr
+
+
+def test_ctrl_c_reaches_the_ranks_keyboard_interrupt_handlers(tmp_path: Path) -> None:
+    """As a terminal delivers Ctrl-C to torchrun's ranks: each rank gets SIGINT, so a script's
+    ``except KeyboardInterrupt:`` save runs before the job ends with 130."""
+    script = tmp_path / "saver.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, sys, time
+        folder = sys.argv[1]
+        try:
+            with open(os.path.join(folder, "pids" + os.environ["RANK"]), "w") as f:
+                f.write(f"{os.getpid()} {os.getpid()}")
+            time.sleep(60)
+        except KeyboardInterrupt:
+            with open(os.path.join(folder, "saved" + os.environ["RANK"]), "w") as f:
+                f.write("saved")
+            sys.exit(130)
+    """)
+    )
+    proc = subprocess.Popen(
+        [*SPREAD, "run", "-n", "2", str(script), str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=15)
+    assert proc.returncode == 130, err
+    assert sorted(p.name for p in tmp_path.glob("saved*")) == ["saved0", "saved1"]
+    _assert_gone(pids, proc.pid)

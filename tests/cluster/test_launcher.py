@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import textwrap
 import time
@@ -25,10 +26,27 @@ pytestmark = pytest.mark.timeout(60)
 
 # Every variable torchrun 2.13 gives its workers (read from a torchrun --standalone run).
 TORCHRUN_ENV = frozenset(
-    "LOCAL_RANK RANK GROUP_RANK ROLE_RANK ROLE_NAME LOCAL_WORLD_SIZE WORLD_SIZE GROUP_WORLD_SIZE "
-    "ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS "
-    "TORCHELASTIC_RUN_ID TORCHELASTIC_USE_AGENT_STORE TORCH_NCCL_ASYNC_ERROR_HANDLING "
-    "TORCHELASTIC_ERROR_FILE TORCHELASTIC_SIGNALS_TO_HANDLE OMP_NUM_THREADS".split()
+    [
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+        "OMP_NUM_THREADS",
+    ]
 )
 # What an outer launcher (or a shell) may have exported; none of it may reach our ranks as it was.
 OUTER_LAUNCHER_ENV = {"SPREAD_STORE_FD": "99", "TF_CONFIG": '{"cluster": {"worker": ["h:1"]}}'}
@@ -406,3 +424,121 @@ def test_all_ranks_failing_at_once_is_one_clean_failure(
     out, err = capfd.readouterr()
     assert err.count("exited with code 9") == 1 and "restarting" not in err
     _assert_all_gone(_pids(out))
+
+
+def test_servers_still_running_when_training_ends_are_stopped_and_the_job_succeeds(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A parameter-server job ends with its training: the chief and workers exited 0, servers that
+    nobody told to stop (no ``close()``) are stopped after the grace, and the exit code is 0."""
+    script = _script(
+        tmp_path,
+        """
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        print("pid=%d" % os.getpid(), task["type"], flush=True)
+        if task["type"] == "ps":
+            time.sleep(60)  # a server serves until told otherwise
+    """,
+    )
+    start = time.monotonic()
+    assert launch(LaunchConfig(entrypoint=str(script), workers=1, ps=2, kill_grace=1)) == 0
+    assert time.monotonic() - start < 20
+    out, err = capfd.readouterr()
+    assert "every training task finished; stopping 2 task(s) still running (ps, ps)" in err
+    _assert_all_gone(_pids(out))
+
+
+def test_a_failing_worker_still_fails_a_parameter_server_job(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        if task["type"] == "worker":
+            sys.exit(4)
+        time.sleep(0.5 if task["type"] == "chief" else 60)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), workers=1, ps=1, kill_grace=1)) == 4
+
+
+def test_a_rank_left_stopped_fails_the_attempt_in_seconds(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SIGSTOP of one rank is seen by the launcher at once, not by the peers' collective timeout."""
+    script = _script(
+        tmp_path,
+        """
+        print("pid=%d" % os.getpid(), flush=True)
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+    """,
+    )
+    start = time.monotonic()
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2, kill_grace=1)) == 128 + signal.SIGSTOP
+    assert time.monotonic() - start < 15  # 3 s to decide, then the stop; far below any timeout
+    out, err = capfd.readouterr()
+    assert "rank 1 stayed stopped (SIGSTOP) for 3." in err and "stopped the other 1 process(es)" in err
+    _assert_all_gone(_pids(out))
+
+
+def test_a_recorded_exception_is_named_in_the_failure_note(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun's error file: a script decorated with ``@record`` writes its exception there, and the
+    launcher's note names it."""
+    script = _script(
+        tmp_path,
+        """
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record
+        def main():
+            if os.environ["RANK"] == "1":
+                raise ValueError("bad learning rate 1e9")
+
+        main()
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 1
+    err = capfd.readouterr().err
+    assert "rank 1 exited with code 1 (ValueError: bad learning rate 1e9)" in err
+
+
+def test_torch_rank_tags_are_not_doubled(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        if dist.get_rank() == 1:
+            raise RuntimeError("after the group exists")
+        dist.destroy_process_group()
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 1
+    err = capfd.readouterr().err
+    assert "[rank 1] RuntimeError: after the group exists" in err
+    assert "[rank1]:" not in err
+
+
+def test_live_bar_frames_redraw_one_line_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a terminal a rank's carriage-return frames are shown in place, and another rank's line first
+    ends the bar's line; without a terminal the frames collapse into one plain line."""
+    from spread.cluster._output import OutputRelay
+
+    def relay(live: bool) -> str:
+        read_end, write_end = os.pipe()
+        r = OutputRelay(prefix=True, live=live)
+        thread = r.start(0, os.fdopen(read_end, "rb"), "stdout")
+        os.write(write_end, b"\r 1/3 [=  ]")
+        time.sleep(0.2)
+        r.write("stdout", "[rank 1] a line\n", owner=(1, "stdout"))
+        os.write(write_end, b"\r 2/3 [== ]\r 3/3 [===]\ndone\n")
+        os.close(write_end)
+        thread.join(5)
+        return capsys.readouterr().out
+
+    assert relay(True) == ("\r[rank 0]  1/3 [=  ]\n[rank 1] a line\n[rank 0]  3/3 [===]\n[rank 0] done\n")
+    assert relay(False) == "[rank 1] a line\n[rank 0] \r 1/3 [=  ]\r 2/3 [== ]\r 3/3 [===]\n[rank 0] done\n"

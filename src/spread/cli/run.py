@@ -300,11 +300,6 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     try:
         if args.standalone and args.nnodes != 1:
             raise ValueError("--standalone is a single-machine job: it cannot be combined with --nnodes > 1")
-        if args.nnodes > 1 and args.node_rank is None:
-            raise ValueError(
-                "--nnodes > 1 needs --node-rank on every machine (0 on the machine at --master-addr); "
-                "spread run does not number the machines itself as torchrun's c10d rendezvous does"
-            )
         master_addr, master_port = _rendezvous_address(args)
         config = LaunchConfig(
             entrypoint=args.script,
@@ -325,6 +320,11 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             no_python=args.no_python,
             role=args.role,
         )
+        if args.nnodes > 1 and args.node_rank is None:
+            raise ValueError(
+                "--nnodes > 1 needs --node-rank on every machine (0 on the machine at --master-addr); "
+                "spread run does not number the machines itself as torchrun's c10d rendezvous does"
+            )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(_as_flags(str(exc)))
     try:
