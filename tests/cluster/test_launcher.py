@@ -49,7 +49,10 @@ TORCHRUN_ENV = frozenset(
     ]
 )
 # What an outer launcher (or a shell) may have exported; none of it may reach our ranks as it was.
-OUTER_LAUNCHER_ENV = {"SPREAD_STORE_FD": "99", "TF_CONFIG": '{"cluster": {"worker": ["h:1"]}}'}
+OUTER_LAUNCHER_ENV = {
+    "TORCHELASTIC_ERROR_FILE": "/elsewhere/error.json",
+    "TF_CONFIG": '{"cluster": {"worker": ["h:1"]}}',
+}
 
 
 def _script(tmp_path: Path, body: str, name: str = "child.py") -> Path:

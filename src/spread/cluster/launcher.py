@@ -65,7 +65,7 @@ _TICK = 0.1  # seconds between checks for a stop signal or a stopped rank while 
 _STOPPED_LIMIT = 3.0  # seconds a rank may stay stopped (SIGSTOP, state T) before it counts as failed
 _SERVICE_ROLES = ("ps", "evaluator")  # tasks of a parameter-server job that serve the training tasks
 # Variables an outer launcher may have set that would misdirect our ranks if inherited.
-_INHERITED_NOISE = ("SPREAD_STORE_FD", "TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
+_INHERITED_NOISE = ("TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
 
 
 def _invalid(name: str, rule: str, value: object) -> ValueError:
