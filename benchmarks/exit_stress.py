@@ -162,8 +162,8 @@ def _command(case: Case, scripts: Path) -> list[str]:
     return [str(SPREAD), "run", *case.launch, str(path), *case.args]
 
 
-def run_once(case: Case, scripts: Path, timeout: float) -> tuple[int, str, float]:
-    """One run: (exit code, first abort line, seconds); a run past ``timeout`` counts as code -9."""
+def run_once(case: Case, scripts: Path, timeout: float) -> tuple[int, str, float, str]:
+    """One run: (exit code, first abort line, seconds, output); a run past ``timeout`` counts as -9."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
@@ -179,17 +179,25 @@ def run_once(case: Case, scripts: Path, timeout: float) -> tuple[int, str, float
             stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as exc:
-        out = (
-            (exc.stdout or b"").decode(errors="replace")
-            if isinstance(exc.stdout, bytes)
-            else exc.stdout or ""
+        out = "".join(
+            part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+            for part in (exc.stdout, exc.stderr)
         )
-        return -9, abort_line(out) or f"still running after {timeout:g}s", time.perf_counter() - started
-    return done.returncode, abort_line(done.stdout + done.stderr), time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        return -9, abort_line(out) or f"still running after {timeout:g}s", seconds, out
+    output = done.stdout + done.stderr
+    return done.returncode, abort_line(output), time.perf_counter() - started, output
 
 
-def stress(cases: list[Case], runs: int, timeout: float = 300.0, progress: bool = False) -> list[Tally]:
-    """``runs`` rounds of one run per case; every case's exit codes, unexpected exits, first abort."""
+def stress(
+    cases: list[Case],
+    runs: int,
+    timeout: float = 300.0,
+    progress: bool = False,
+    keep_output: Path | None = None,
+) -> list[Tally]:
+    """``runs`` rounds of one run per case; every case's exit codes, unexpected exits, first abort.
+    With ``keep_output``, the output of every unexpected run is written there."""
     tallies = [Tally(case) for case in cases]
     with tempfile.TemporaryDirectory(prefix="spread-exit-stress-") as tmp:
         scripts = Path(tmp)
@@ -197,12 +205,15 @@ def stress(cases: list[Case], runs: int, timeout: float = 300.0, progress: bool 
             (scripts / f"{name}.py").write_text(textwrap.dedent(body))
         for round_ in range(runs):
             for tally in tallies:
-                code, abort, seconds = run_once(tally.case, scripts, timeout)
+                code, abort, seconds, output = run_once(tally.case, scripts, timeout)
                 tally.codes[code] += 1
                 tally.seconds.append(seconds)
                 if code != tally.case.expected or abort:
                     tally.unexpected += 1
                     tally.first_abort = tally.first_abort or abort or f"exit code {code}"
+                    if keep_output is not None:
+                        keep_output.mkdir(parents=True, exist_ok=True)
+                        (keep_output / f"{tally.case.name}-run{round_ + 1}.txt").write_text(output)
                 if progress:
                     mark = "ok" if code == tally.case.expected and not abort else f"UNEXPECTED {code}"
                     print(f"round {round_ + 1}/{runs} {tally.case.name}: {mark} ({seconds:.1f}s)", flush=True)
@@ -239,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", help="comma-separated case names (default: all; see --list)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take (default 300)")
     parser.add_argument("--json", type=Path, help="also write the tallies to this file")
+    parser.add_argument("--keep-output", type=Path, help="write each unexpected run's output to this folder")
     parser.add_argument("--list", action="store_true", help="print the cases and their commands, then exit")
     parser.add_argument("--quiet", action="store_true", help="no line per run")
     args = parser.parse_args(argv)
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     started = time.perf_counter()
-    tallies = stress(cases, args.runs, args.timeout, progress=not args.quiet)
+    tallies = stress(cases, args.runs, args.timeout, progress=not args.quiet, keep_output=args.keep_output)
     print(
         f"\n{args.runs} run(s) per case in {time.perf_counter() - started:.0f}s, spread from "
         f"{os.environ.get('PYTHONPATH') or 'the installed package'}:\n"
