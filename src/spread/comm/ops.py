@@ -33,6 +33,22 @@ def classify_error(rank: int, op: str, seq: int, exc: BaseException) -> Collecti
     return CollectiveError(rank, op, seq, text)
 
 
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy a subgroup this process made with ``dist.new_group``; a no-op for ``None`` (the default
+    group is its creator's to destroy), for a group this rank is not a member of, and for one already
+    gone with the default group.
+
+    Its C++ object, and the worker threads it joins when destroyed, live on while any Python object
+    still refers to it: drop those references too (:meth:`Collectives.close`).
+    """
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # torch no longer knows the group: destroyed already
+        pass
+
+
 class Collectives:
     """The collectives a strategy needs, over one process group, with counted, named failures."""
 
@@ -45,10 +61,21 @@ class Collectives:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = device  # where small bookkeeping tensors live (NCCL needs them on the GPU)
         self._seq = itertools.count()
+        self._closed = False
+
+    def close(self) -> None:
+        """Let go of the process group (see :func:`destroy_group`); later calls raise."""
+        self.group = None
+        self._closed = True
+
+    def _check_open(self, op: str, seq: int) -> None:
+        if self._closed:
+            raise CollectiveError(self.rank, op, seq, "used after close() (the strategy was closed)")
 
     @contextmanager
     def _guard(self, op: str):
         seq = next(self._seq)
+        self._check_open(op, seq)
         try:
             yield seq
         except CollectiveError:
@@ -69,6 +96,7 @@ class Collectives:
         seq = next(self._seq)
         if self.world_size == 1:
             return PendingCollective(None, self.rank, name, seq)
+        self._check_open(name, seq)
         try:
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:

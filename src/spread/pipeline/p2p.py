@@ -199,6 +199,14 @@ class StageLink:
     def has_posted(self) -> bool:
         return bool(self._posted_acts or self._posted_grads)
 
+    def close(self) -> None:
+        """Forget transfers still in flight (after a failed step nobody will wait for them) and the
+        process group, whose worker threads are joined once nothing refers to it."""
+        self._sends.clear()
+        self._posted_acts.clear()
+        self._posted_grads.clear()
+        self.group = None
+
     def wait_sends(self) -> None:
         """Complete every send started so far (their buffers may be reused afterwards)."""
         sends, self._sends = self._sends, []

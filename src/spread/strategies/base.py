@@ -18,6 +18,7 @@ from torch import nn
 
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.strategies.context import _pop_scope, _push_scope
+from spread.strategies.teardown import ProcessResources
 from spread.values import PerReplica
 
 REDUCE_OPS = ("sum", "mean")
@@ -64,6 +65,8 @@ class Strategy(abc.ABC):
         self._managed_buffers: dict[int, torch.Tensor] = {}
         self._step_info: StepInfo | None = None
         self._closed = False
+        # Process groups and threads this strategy starts: released by close(), or at exit without it.
+        self._resources = ProcessResources(type(self).__name__)
 
     # -- topology ----------------------------------------------------------------------------------
     @property
@@ -219,8 +222,13 @@ class Strategy(abc.ABC):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release hooks, threads and process groups this strategy created. Idempotent."""
+        """Release hooks, threads and process groups this strategy created. Idempotent.
+
+        A script that never calls it still gets its process groups and threads released, newest
+        first, at interpreter exit (see :mod:`spread.strategies.teardown`); hooks stay until then.
+        """
         self._closed = True
+        self._resources.release()
 
     def __enter__(self) -> Strategy:
         return self

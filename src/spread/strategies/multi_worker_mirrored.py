@@ -77,23 +77,26 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
                 f"MultiWorkerMirroredStrategy runs on chief and worker tasks only"
             )
         self._device = local_device(self.cluster)
-        self._rendezvous: Rendezvous | None = join_process_group(
+        rendezvous: Rendezvous | None = join_process_group(
             self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
         )
-        if self._rendezvous is None and dist.get_world_size() != self.cluster.world_size:
-            raise SpreadError(
-                f"the existing process group has {dist.get_world_size()} ranks but the cluster spec says "
-                f"{self.cluster.world_size}"
-            )
-        self.collectives = Collectives(device=self._device)
-        self._reducer: GradientReducer | None = None
+        self._resources.owner = f"MultiWorkerMirroredStrategy rank {self.cluster.rank}"
+        if rendezvous is not None:  # ours to destroy (released last); a group the script made is not
+            self._resources.push(rendezvous.close)
         try:
+            if rendezvous is None and dist.get_world_size() != self.cluster.world_size:
+                raise SpreadError(
+                    f"the existing process group has {dist.get_world_size()} ranks but the cluster spec "
+                    f"says {self.cluster.world_size}"
+                )
+            self.collectives = Collectives(device=self._device)
+            self._reducer: GradientReducer | None = None
             self.algorithm: AllReduceAlgorithm = make_algorithm(
                 communication, self.collectives, local_world_size=self.cluster.local_world_size
             )
+            self._resources.push(self.algorithm.close)  # its threads and subgroups go before the group
         except BaseException:
-            if self._rendezvous is not None:
-                self._rendezvous.close()
+            self._resources.release()
             raise
 
     # -- topology ----------------------------------------------------------------------------------
@@ -179,11 +182,7 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
-        self.algorithm.close()
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
-        super().close()
+        super().close()  # the algorithm, then the process group if this strategy made it
 
 
 def _signature(tensors: list[torch.Tensor]) -> list[int]:

@@ -37,6 +37,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from torch import nn
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
-from spread.comm.ops import classify_error
+from spread.comm.ops import classify_error, destroy_group
 from spread.data import ReplicaLayout
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
 from spread.memory import checkpoint_stage
@@ -152,28 +153,47 @@ class PipelineStrategy(Strategy):
                 f"`spread run -n {stages * replicas}` (or change stages/replicas)"
             )
         self._device = local_device(self.cluster)
+        self._resources.owner = f"PipelineStrategy rank {self.cluster.rank}"
         # Before joining: the transport and heartbeat threads started below inherit the binding.
         self.cpu_binding: CpuBinding | None = (
             bind_local_cpus(self.cluster.local_rank, self.cluster.local_world_size)
             if bind_cpus and self._device.type == "cpu"
             else None
         )
+        if self.cpu_binding is not None:
+            self._resources.push(self.cpu_binding.restore)  # released last
         try:
-            self._rendezvous: Rendezvous | None = join_process_group(
-                self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
-            )
+            self._join(stages, replicas, init_timeout, collective_timeout)
         except BaseException:
-            if self.cpu_binding is not None:
-                self.cpu_binding.restore()
+            self._resources.release()
             raise
+        self._model: nn.Module | None = None
+        self._bounds: list[tuple[int, int]] | None = None
+        self.stage_module: nn.Module | None = None
+        self._runner: StageRunner | None = None
+        self._reducer: GradientReducer | None = None
+
+    def _join(
+        self, stages: int, replicas: int, init_timeout: float | None, collective_timeout: float | None
+    ) -> None:
+        """Join the job, make the stage and replica groups, the stage link and the heartbeat; each is
+        pushed onto ``self._resources`` as it is made, so they are released in the reverse order."""
+        rendezvous: Rendezvous | None = join_process_group(
+            self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
+        )
+        if rendezvous is not None:  # ours to destroy; a group the script made is not
+            self._resources.push(rendezvous.close)
         self.rank = dist.get_rank()
         self.stage, self.replica = self.rank % stages, self.rank // stages
         self.world = Collectives(device=self._device)
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
-        pipe_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
-        self.replica_collectives = Collectives(replica_groups[self.stage], device=self._device)
-        self.pipeline_collectives = Collectives(pipe_groups[self.replica], device=self._device)
+        groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+        groups += [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+        self.replica_collectives = Collectives(groups[self.stage], device=self._device)
+        self.pipeline_collectives = Collectives(groups[stages + self.replica], device=self._device)
+        self._resources.push(
+            partial(_release_groups, groups, [self.replica_collectives, self.pipeline_collectives])
+        )
         first = self.replica * stages
         self.link = StageLink(
             self.rank,
@@ -181,16 +201,13 @@ class PipelineStrategy(Strategy):
             first + self.stage + 1 if self.stage < stages - 1 else None,
             self._device,
         )
-        store = self._rendezvous.store if self._rendezvous is not None else None
+        self._resources.push(self.link.close)
+        store = rendezvous.store if rendezvous is not None else None
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.heartbeat = Heartbeat(
             store, self.rank, self.world.world_size, store_host_rank=None if agent_store else 0
         )
-        self._model: nn.Module | None = None
-        self._bounds: list[tuple[int, int]] | None = None
-        self.stage_module: nn.Module | None = None
-        self._runner: StageRunner | None = None
-        self._reducer: GradientReducer | None = None
+        self._resources.push(self.heartbeat.close)
 
     # -- topology ----------------------------------------------------------------------------------
     @property
@@ -552,8 +569,7 @@ class PipelineStrategy(Strategy):
     def close(self) -> None:
         if self._closed:
             return
-        self.heartbeat.report(None)
-        self.heartbeat.close()
+        self.heartbeat.report(None)  # left on purpose (a script that never closes leaves no report)
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
@@ -561,18 +577,23 @@ class PipelineStrategy(Strategy):
             self._runner.close()
         if self._model is not None:
             unwrap_forward(self._model, _WRAP_KIND)
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
-        if self.cpu_binding is not None:
-            self.cpu_binding.restore()
-        super().close()
+        super().close()  # heartbeat, stage link, subgroups, process group, CPU binding
 
     def __repr__(self) -> str:
         return (
             f"PipelineStrategy(stages={self.stages}, microbatches={self.microbatches}, "
             f"schedule={self.schedule!r}, replicas={self.replicas}, rank={self.rank}, stage={self.stage})"
         )
+
+
+def _release_groups(groups: list, collectives: list[Collectives]) -> None:
+    """Destroy this strategy's subgroups and drop every reference to them, so that their worker
+    threads are joined now, not at interpreter exit (see :mod:`spread.strategies.teardown`)."""
+    for c in collectives:
+        c.close()
+    for group in groups:
+        destroy_group(group)
+    groups.clear()
 
 
 def _looks_lost(detail: str) -> bool:

@@ -110,6 +110,7 @@ class AllReduceAlgorithm(ABC):
         self.debug = debug_collectives()
         self._seq = itertools.count()
         self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
 
     # -- public template ---------------------------------------------------------------------------
     def all_reduce(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -129,10 +130,13 @@ class AllReduceAlgorithm(ABC):
         return PendingAllReduce(self._executor.submit(self._run, buffer, seq))
 
     def close(self) -> None:
-        """Finish queued work and release threads and other resources; safe to call twice."""
+        """Finish queued work and release threads and other resources; safe to call twice. Later calls
+        raise (the process group is let go, see :func:`spread.comm.ops.destroy_group`)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self.group = None
+        self._closed = True
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zero-filled 1-D buffer that this algorithm all-reduces fastest (collective: every rank
@@ -158,7 +162,10 @@ class AllReduceAlgorithm(ABC):
         return have[:numel]
 
     def _validate(self, buffer: torch.Tensor) -> bool:
-        """Raise on a malformed buffer; return False when there is nothing to exchange."""
+        """Raise on a malformed buffer or a closed algorithm; return False when there is nothing to
+        exchange."""
+        if self._closed:
+            raise CollectiveError(self.rank, f"{self.name}.all_reduce", -1, "the algorithm was closed")
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"{self.name} all_reduce expects a torch.Tensor, got {type(buffer).__name__}")
         if buffer.dim() != 1 or not buffer.is_contiguous():

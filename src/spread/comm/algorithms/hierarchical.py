@@ -23,7 +23,7 @@ from spread.comm.algorithms.base import AllReduceAlgorithm
 from spread.comm.algorithms.native import NativeAllReduce
 from spread.comm.algorithms.ring import RingAllReduce
 from spread.comm.algorithms.shm import ShmAllReduce, same_host
-from spread.comm.ops import Collectives
+from spread.comm.ops import Collectives, destroy_group
 
 
 class HierarchicalAllReduce(AllReduceAlgorithm):
@@ -46,13 +46,16 @@ class HierarchicalAllReduce(AllReduceAlgorithm):
         self.inner: AllReduceAlgorithm | None = None
         self.outer: AllReduceAlgorithm | None = None
         self._node_group = None
+        self._groups: list = []  # every subgroup made here (non-members' entries included), to destroy
         if local > 1:
             groups = [dist.new_group(list(range(k * local, (k + 1) * local))) for k in range(nodes)]
+            self._groups += groups
             self._node_group = groups[self.node]
             node = Collectives(self._node_group, device=collectives.device)
             self.inner = ShmAllReduce(node) if same_host(node) else NativeAllReduce(node)
         if nodes > 1:
             leaders = dist.new_group([k * local for k in range(nodes)])
+            self._groups.append(leaders)
             if self.local_rank == 0:
                 outer_cls = RingAllReduce if across == "ring" else NativeAllReduce
                 self.outer = outer_cls(Collectives(leaders, device=collectives.device))
@@ -85,3 +88,8 @@ class HierarchicalAllReduce(AllReduceAlgorithm):
         for algorithm in (self.inner, self.outer):
             if algorithm is not None:
                 algorithm.close()
+                algorithm.collectives.close()
+        for group in self._groups:
+            destroy_group(group)
+        self._groups.clear()
+        self._node_group = None
