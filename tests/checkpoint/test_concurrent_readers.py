@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,9 +45,10 @@ def _once_while_reading(monkeypatch, where: str, action) -> list:
         real_load = torch.load
 
         def hooked_load(file, *args, **kwargs):
-            seen.append(file.parent)
-            if len(seen) == 1:
-                action(file.parent)
+            if isinstance(file, Path) and file.name == "state.pt":  # not DCP's own reads
+                seen.append(file.parent)
+                if len(seen) == 1:
+                    action(file.parent)
             return real_load(file, *args, **kwargs)
 
         monkeypatch.setattr(torch, "load", hooked_load)
@@ -62,6 +64,18 @@ def test_a_checkpoint_pruned_while_read_is_gone_and_the_new_latest_is_read(tmp_p
     step, state = reader.load_latest()
     assert step == 2 and torch.equal(state["w"], _state(2)["w"])
     assert [p.name for p in seen] == ["ckpt-0000000001", "ckpt-0000000002"]  # read 1, gone, read 2
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_sharded_checkpoint_pruned_before_its_shards_are_read_is_gone_not_a_mismatch(tmp_path, monkeypatch):
+    shards = {"momentum": torch.arange(4.0)}
+    reader, writer = CheckpointManager(tmp_path, keep=1), CheckpointManager(tmp_path, keep=1)
+    writer.save(1, {"step": 1}, shards=shards)
+    # Pruned after state.pt was read: its shard index is missing, which alone would mean "saved
+    # without shards", a mismatch with no fallback.
+    _once_while_reading(monkeypatch, "torch.load", lambda path: writer.save(2, {"step": 2}, shards=shards))
+    step, state = reader.load_latest(shards_like={"momentum": torch.zeros(4)})
+    assert step == 2 and torch.equal(state["shards"]["momentum"], shards["momentum"])
 
 
 @pytest.mark.filterwarnings("error")
