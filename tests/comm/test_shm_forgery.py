@@ -79,6 +79,7 @@ _FORGER = textwrap.dedent(
 
     send("accepted_before_connect")
     print(json.dumps(counts), flush=True)
+    sys.stdin.readline()  # "flood": the sockets are connected
     while not select.select([sys.stdin], [], [], 0.002)[0]:  # until the ranks are done
         send("accepted")
     print(json.dumps(counts), flush=True)
@@ -109,6 +110,10 @@ class _Forger:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
         return self._line()
+
+    def flood(self) -> None:
+        self.proc.stdin.write("flood\n")
+        self.proc.stdin.flush()
 
     def stop(self) -> dict:
         self.proc.stdin.close()
@@ -199,6 +204,8 @@ def _rank_under_attack() -> dict:
             pause = lambda: None  # noqa: E731
         algo = ShmAllReduce(_PausingCollectives(pause), timeout=60)
         try:
+            if forger is not None:
+                forger.flood()
             w, digest = _train(algo, rank)
             plain.barrier()  # both ranks are done: stop the attack
             if forger is not None:
@@ -247,6 +254,8 @@ _PEER = textwrap.dedent(
     me, to = b"\\0" + sys.argv[1].encode(), b"\\0" + sys.argv[2].encode()  # abstract names
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(me)
+    print(os.getpid(), flush=True)
+    sys.stdin.readline()  # the receiver is bound
     s.sendto(b"\\x01\\x00", to)  # rank 1 arrived
     s.sendto(b"\\x00\\x00", to)  # another rank's arrival from rank 1's socket
     s.sendto(b"\\x01\\x00\\x00", to)  # three bytes
@@ -257,7 +266,6 @@ _PEER = textwrap.dedent(
         os._exit(0)
     os.waitpid(child, 0)
     s.sendto(b"\\x01\\x00", to)  # rank 1 arrived, again
-    print(os.getpid())
     """
 )
 
@@ -272,23 +280,31 @@ def test_a_peer_link_counts_only_its_peers_arrivals_and_says_why_it_drops(caplog
     tag = secrets.token_hex(8)
     peer_name, my_name = f"spread-shm-test-{tag}-1", f"spread-shm-test-{tag}-0"
     my_address = b"\0" + my_name.encode()
-    link = _PeerLink(peer=1, pid=-1, address=b"\0" + peer_name.encode())
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _PEER, peer_name, my_name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        link.socket.bind(my_address)
-        sent = subprocess.run(
-            [sys.executable, "-c", _PEER, peer_name, my_name],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
+        # What the group's setup exchanges: the peer's process id, user and group.
+        link = _PeerLink(
+            1, int(peer.stdout.readline()), os.geteuid(), os.getegid(), b"\0" + peer_name.encode()
         )
-        link.pid = int(sent.stdout)  # what the group's setup exchanged
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
-            stranger.sendto(b"\x01\x00", my_address)  # right bytes, wrong sender
-        with caplog.at_level(logging.DEBUG, logger="spread.comm.algorithms.shm"):
-            link.take_queued()
+        try:
+            link.socket.bind(my_address)
+            peer.communicate("go\n", timeout=60)
+            assert peer.returncode == 0
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
+                stranger.sendto(b"\x01\x00", my_address)  # right bytes, wrong sender
+            with caplog.at_level(logging.DEBUG, logger="spread.comm.algorithms.shm"):
+                link.take_queued()
+        finally:
+            link.socket.close()
     finally:
-        link.socket.close()
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(timeout=30)
     assert (link.arrived, link.dropped) == (2, 4)
     reasons = [r.getMessage() for r in caplog.records]
     assert len(reasons) == 4

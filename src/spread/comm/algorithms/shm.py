@@ -129,9 +129,12 @@ def _address(secret: bytes, sender: int, receiver: int) -> bytes:
 class _PeerLink:
     """This rank's datagram socket for one peer, and what arrived on it."""
 
-    def __init__(self, peer: int, pid: int, address: bytes) -> None:
+    def __init__(self, peer: int, pid: int, uid: int, gid: int, address: bytes) -> None:
         self.peer, self.pid, self.address = peer, pid, address
         self.message = peer.to_bytes(_MESSAGE_BYTES, "little")  # "rank ``peer`` arrived"
+        # recvmsg's answer for the peer's arrival, compared in one go (the barrier's hot path)
+        credentials = [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, _UCRED.pack(pid, uid, gid))]
+        self.expected = (self.message, credentials, 0, address)
         self.arrived = 0  # barrier messages received from the peer
         self.dropped = 0  # datagrams that did not come from the peer
         self.last_problem = ""
@@ -144,14 +147,15 @@ class _PeerLink:
         problem = None
         while True:
             try:
-                data, ancillary, flags, sender = self.socket.recvmsg(
-                    _MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_DONTWAIT
-                )
+                received = self.socket.recvmsg(_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return problem
-            why = self._problem(data, ancillary, flags, sender)
-            if why is None:
-                if data != _PROBE:
+            if received == self.expected:
+                self.arrived += 1
+                continue
+            why = self._problem(*received)
+            if why is None:  # a probe, or an arrival whose user or group reads differently here
+                if received[0] != _PROBE:
                     self.arrived += 1
                 continue
             self.dropped += 1
@@ -258,13 +262,16 @@ class ShmAllReduce(AllReduceAlgorithm):
         """Open one datagram socket per peer, connected to that peer's socket for this rank, and
         learn the peers' process ids (collective)."""
         secret = self._secret("shm.signal")
-        pid = torch.tensor([os.getpid()], dtype=torch.int64, device=self.collectives.device)
-        pids = [int(p.item()) for p in self.collectives.all_gather(pid, name="shm.signal.pids")]
+        mine = torch.tensor([os.getpid(), os.geteuid(), os.getegid()], dtype=torch.int64)
+        creds = [
+            tuple(int(v) for v in c.tolist())
+            for c in self.collectives.all_gather(mine.to(self.collectives.device), name="shm.signal.pids")
+        ]
         links: list[_PeerLink] = []
         try:
             for k in range(self.world_size):
                 if k != self.rank:
-                    links.append(_PeerLink(k, pids[k], _address(secret, k, self.rank)))
+                    links.append(_PeerLink(k, *creds[k], _address(secret, k, self.rank)))
                     links[-1].socket.bind(_address(secret, self.rank, k))
             self.collectives.barrier(name="shm.bind")
             for link in links:
