@@ -4,6 +4,12 @@ Loads use ``torch.load(weights_only=True)``: a checkpoint holds tensors and plai
 and a file crafted to run code on unpickling is refused (and named), never retried unsafely.
 A state holding a NaN or infinite floating-point tensor is refused at save time, so a restart never
 resumes from a poisoned state.
+
+Readers and the writer need no lock between them. A checkpoint leaves its ``ckpt-<step>`` name in one
+rename (to a hidden ``.trash-`` name, deleted afterwards), so under its name it is always whole. A
+read that fails because the checkpoint is no longer under its name (the writer pruned or replaced
+it, and a newer one exists) is therefore "gone", not "corrupt": the reader lists again and reads the
+new ``latest``, without a warning. Only a checkpoint that fails while still under its name is corrupt.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils import _pytree as pytree
 
 from spread.checkpoint.atomic import crash_point, fsync_path, replace_pointer, verify, write_manifest
@@ -31,6 +38,12 @@ STATE_FILE = "state.pt"
 SHARDS_KEY = "shards"  # where load_latest(shards_like=...) puts this rank's shards
 POINTER = "latest"
 _NAME = re.compile(r"^ckpt-(\d{10})$")
+TRASH_PREFIX = ".trash-"  # a checkpoint being deleted: out of the ckpt-* namespace, never read
+# How many times one load_latest() lists again after the checkpoint it read was pruned or replaced
+# under it: each time means a newer one was published meanwhile, so only a writer saving faster
+# than this process can read a checkpoint exhausts it.
+_RELISTS = 100
+_GONE = object()  # what was being read no longer exists under its name
 
 
 class CheckpointManager:
@@ -115,7 +128,7 @@ class CheckpointManager:
         write_manifest(tmp, {"step": step})
         crash_point("after_manifest")
         if final.exists():
-            shutil.rmtree(final)
+            self._remove(final)
         tmp.rename(final)
         fsync_path(self.directory)
 
@@ -123,16 +136,30 @@ class CheckpointManager:
         crash_point("after_rename")
         replace_pointer(self.directory / POINTER, final.name)
         crash_point("after_pointer")
-        self._prune()
+        self._prune(final)
 
     def remove_stale_temporaries(self) -> None:
-        """Delete half-written checkpoints left by a crash (they never had their final name)."""
-        for p in self.directory.glob(".tmp-ckpt-*"):
-            shutil.rmtree(p, ignore_errors=True)
+        """Delete half-written checkpoints left by a crash (they never had their final name) and
+        half-deleted ones (they no longer have it)."""
+        for pattern in (".tmp-ckpt-*", f"{TRASH_PREFIX}ckpt-*"):
+            for p in self.directory.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True)
 
-    def _prune(self) -> None:
+    def _prune(self, published: Path) -> None:
+        """Keep the newest ``keep`` checkpoints, and always the one ``latest`` names."""
         for old in self.checkpoints()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != published:
+                self._remove(old)
+
+    def _remove(self, path: Path) -> None:
+        """Delete a checkpoint: first renamed out of its name in one step (readers see it whole or
+        not at all), then its files."""
+        trash = self.directory / f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}"
+        try:
+            path.rename(trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
 
     # -- reading -------------------------------------------------------------------------------------
     def checkpoints(self) -> list[Path]:
@@ -152,7 +179,9 @@ class CheckpointManager:
         """Return ``(step, state)`` of the newest valid checkpoint, or None when there is none.
 
         A corrupt or partial checkpoint is skipped with a warning naming the file and the reason; if
-        checkpoints exist but none is valid, raises CheckpointCorruptError naming the directory.
+        checkpoints exist but none is valid, raises CheckpointCorruptError naming the directory. One
+        that another process prunes or replaces while this one reads it is not corrupt: the listing is
+        taken again and the new newest is read, without a warning.
 
         ``like``: the state this checkpoint will be loaded into (e.g. ``{"model": model.state_dict()}``);
         every tensor under its top-level keys must be in the checkpoint with the same shape and dtype,
@@ -162,46 +191,107 @@ class CheckpointManager:
         returned as ``state["shards"]``. No collectives: every rank may load on its own.
         ``step``: only the checkpoint of that step (None when there is none).
         """
-        candidates = self.checkpoints()
-        if step is not None:
-            candidates = [c for c in candidates if c.name == f"ckpt-{step:010d}"]
-        pointer = self.directory / POINTER
-        if pointer.is_file():
-            named = self.directory / pointer.read_text().strip()
-            if named in candidates:  # the pointer's target first, then the others newest first
-                candidates.remove(named)
-                candidates.append(named)
-        if not candidates:
-            return None
-        problems = []
+        corrupt: dict[str, tuple[int, int]] = {}  # name -> identity, of those warned about
+        problems: list[str] = []
+        lost_one = False  # the last pass lost the checkpoint it was reading
+        for _ in range(_RELISTS):
+            candidates = self._candidates(step)
+            lost_one = False
+            if not candidates:
+                if self._pointer_target(step) is None:
+                    break
+                continue  # ``latest`` names one: the listing ran while it was renamed; list again
+            found = self._newest_valid(candidates, corrupt, problems, map_location, like, shards_like)
+            if found is _GONE:
+                lost_one = True
+                continue
+            if found is None:
+                break  # every candidate is corrupt
+            return found
+        if lost_one:
+            raise CheckpointCorruptError(
+                str(self.directory),
+                f"the checkpoint being read was pruned or replaced {_RELISTS} times in a row: "
+                "is a writer saving faster than this process can read?",
+            )
+        if problems:
+            raise CheckpointCorruptError(str(self.directory), "no valid checkpoint: " + "; ".join(problems))
+        return None
+
+    def _newest_valid(
+        self,
+        candidates: list[Path],
+        corrupt: dict[str, tuple[int, int]],
+        problems: list[str],
+        map_location: str | torch.device | None,
+        like: Mapping[str, Any] | None,
+        shards_like: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[int, dict] | object | None:
+        """The first of ``candidates`` (last first) that loads; None when all are corrupt (each
+        warned about once, and recorded in ``corrupt`` and ``problems``); ``_GONE`` as soon as one
+        is pruned or replaced while it is read (a newer one exists: list again)."""
         for path in reversed(candidates):
+            identity = _identity(path)
+            if identity is None:
+                return _GONE
+            if corrupt.get(path.name) == identity:
+                continue
             try:
-                manifest = verify(path)
-                state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
-                if like is not None:
-                    found = {k: state.get(k) for k in like}
-                    raise_if(tensor_mismatches(found, like), str(path), "given state")
-                if shards_like is not None:
-                    state[SHARDS_KEY] = self._load_shards(path, shards_like, map_location)
-            except CheckpointMismatchError:
-                raise  # the checkpoint is fine; what it is loaded into differs: no fallback
-            except UnsafeMetadataError as exc:
-                reason = f"{exc} (refused: never unpickled unsafely)"
-            except pickle.UnpicklingError:
-                reason = (
-                    f"{STATE_FILE} holds more than tensors and plain data (refused under weights_only=True)"
-                )
-            except (ValueError, OSError, RuntimeError, EOFError) as exc:
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            else:
-                return int(manifest["step"]), state
+                return self._read(path, map_location, like, shards_like)
+            except (Exception, CheckpointException) as exc:
+                if _identity(path) != identity:
+                    return _GONE
+                reason = _corruption(exc)
+                if reason is None:
+                    raise  # not a damaged checkpoint (e.g. a mismatch with ``like``): no fallback
+            corrupt[path.name] = identity
             problems.append(f"{path.name}: {reason}")
             warnings.warn(
                 f"checkpoint {path} is unusable ({reason}); falling back to an older one",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        raise CheckpointCorruptError(str(self.directory), "no valid checkpoint: " + "; ".join(problems))
+        return None
+
+    def _candidates(self, step: int | None) -> list[Path]:
+        """Checkpoints to try, the last one first: ``latest``'s target, then the others newest first."""
+        candidates = self.checkpoints()
+        if step is not None:
+            candidates = [c for c in candidates if c.name == f"ckpt-{step:010d}"]
+        named = self._pointer_target(step)
+        if named is not None:
+            if named in candidates:
+                candidates.remove(named)
+                candidates.append(named)
+            elif named.is_dir():  # published after the listing was taken
+                candidates.append(named)
+        return candidates
+
+    def _pointer_target(self, step: int | None) -> Path | None:
+        """The checkpoint ``latest`` names (of ``step``, if given), or None."""
+        try:
+            name = (self.directory / POINTER).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeDecodeError):
+            return None
+        if not _NAME.match(name) or (step is not None and name != f"ckpt-{step:010d}"):
+            return None
+        return self.directory / name
+
+    def _read(
+        self,
+        path: Path,
+        map_location: str | torch.device | None,
+        like: Mapping[str, Any] | None,
+        shards_like: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[int, dict]:
+        manifest = verify(path)
+        state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
+        if like is not None:
+            found = {k: state.get(k) for k in like}
+            raise_if(tensor_mismatches(found, like), str(path), "given state")
+        if shards_like is not None:
+            state[SHARDS_KEY] = self._load_shards(path, shards_like, map_location)
+        return int(manifest["step"]), state
 
     def _load_shards(
         self, path: Path, like: Mapping[str, torch.Tensor], map_location: str | torch.device | None
@@ -213,6 +303,28 @@ class CheckpointManager:
         rank = dist.get_rank() if dist.is_initialized() else 0
         loaded = load_shards(path, rank, like)
         return {k: v.to(map_location) if map_location is not None else v for k, v in loaded.items()}
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which directory ``path`` names now (device, inode), or None when nothing does."""
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _corruption(exc: BaseException) -> str | None:
+    """Why a checkpoint that failed to load is unusable, or None if ``exc`` is not about its bytes."""
+    if isinstance(exc, CheckpointMismatchError):
+        return None  # the checkpoint is fine; what it is loaded into differs
+    if isinstance(exc, UnsafeMetadataError):
+        return f"{exc} (refused: never unpickled unsafely)"
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"{STATE_FILE} holds more than tensors and plain data (refused under weights_only=True)"
+    if isinstance(exc, (ValueError, OSError, RuntimeError, EOFError)):
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
 
 
 def _is_finite(state: Any) -> bool:

@@ -23,15 +23,25 @@ and the next call's step 1 nobody writes another rank's copy, so the owner may r
 same way, with a copy in before step 1 and a copy out after step 3, chunk by chunk.
 
 **Barriers** are two-byte datagrams (the sender's rank) over Unix sockets in Linux's abstract
-namespace (named after a random token, so nothing appears in the file system): a rank sends to
-every peer, then blocks until every peer's message for this barrier arrived (a peer can be at most
-one barrier ahead, so the count per peer says which barrier a message belongs to). A blocked rank
-sleeps in the kernel instead of spinning, so on a busy machine it gives its core away and wakes
-within microseconds; the system calls also order the memory writes before them, on any CPU. A
-barrier raises :class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks
-that did not arrive; while it waits it probes the missing peers every second, and a peer whose
-socket is gone (its process exited) fails the barrier at once with
-:class:`~spread.errors.PeerLostError`. Linux only (abstract sockets, ``/dev/shm``).
+namespace (nothing appears in the file system): a rank sends to every peer, then blocks until every
+peer's message for this barrier arrived (a peer can be at most one barrier ahead, so the count per
+peer says which barrier a message belongs to). A blocked rank sleeps in the kernel instead of
+spinning, so on a busy machine it gives its core away and wakes within microseconds; the system
+calls also order the memory writes before them, on any CPU. A barrier raises
+:class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks that did not
+arrive; while it waits it probes the missing peers every second, and a peer whose socket is gone
+(its process exited) fails the barrier at once with :class:`~spread.errors.PeerLostError`. Linux
+only (abstract sockets, ``/dev/shm``).
+
+**Only the peers are heard.** Abstract socket names are listed in ``/proc/net/unix`` for every local
+user, and anyone may send to a listed name. So each rank holds one socket per peer, named by an HMAC
+of a secret the group shares (a name reveals neither the secret nor the other names) and
+*connected* to that peer's socket for it: the kernel then refuses datagrams from any other socket.
+What still arrives (anything queued before the connection) must also come from the peer's socket
+name, carry the kernel's credentials (``SO_PASSCRED``, which an unprivileged sender cannot forge)
+naming the peer's process id as exchanged through the group at setup, be exactly two bytes and say
+that peer's rank (or be a probe). Everything else is dropped and counted in ``dropped_datagrams``
+(the first one logged as a warning, naming why), never acted on.
 
 **Asynchronous calls** (``all_reduce_async``) are deferred: the sum runs, in call order, when its
 ``wait()`` (or any later call) needs it, on the caller's thread. With one rank per core there is no
@@ -47,12 +57,16 @@ as soon as all have mapped them: nothing is left behind, even after a crash.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
+import logging
 import mmap
 import os
 import secrets
 import select
 import socket
+import struct
 import sys
 import time
 
@@ -73,7 +87,15 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 PIECE_BYTES = 256 << 10  # summed and copied out while it is still in the core's cache
 _PROBE = b"\xff\xff"  # "are you there?": ignored by the receiver, refused if its socket is gone
 _PROBE_EVERY = 1.0  # seconds of waiting between probes of the missing peers
+_FULL_QUEUE_WAIT_MS = 1  # a peer's queue is full: wait this long for our own messages, then retry
 _ALIGN = 4096  # each rank's copy starts on its own page
+_MESSAGE_BYTES = 2
+# A connected peer socket that closed: refused once, then "not connected".
+_PEER_GONE = {errno.ECONNREFUSED, errno.ENOTCONN, errno.ECONNRESET, errno.ENOENT}
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_UCRED.size) if hasattr(socket, "CMSG_SPACE") else 0
+
+_log = logging.getLogger(__name__)
 
 
 def same_host(collectives: Collectives) -> bool:
@@ -95,6 +117,71 @@ def shm_supported() -> bool:
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _address(secret: bytes, sender: int, receiver: int) -> bytes:
+    """The abstract socket name of ``sender``'s socket for ``receiver``: nobody without the secret
+    can derive it, nor any other name from it."""
+    tag = hmac.new(secret, f"shm barrier {sender}->{receiver}".encode(), hashlib.sha256).hexdigest()
+    return f"\0spread-shm-{tag[:32]}".encode()
+
+
+class _PeerLink:
+    """This rank's datagram socket for one peer, and what arrived on it."""
+
+    def __init__(self, peer: int, pid: int, uid: int, gid: int, address: bytes) -> None:
+        self.peer, self.pid, self.address = peer, pid, address
+        self.message = peer.to_bytes(_MESSAGE_BYTES, "little")  # "rank ``peer`` arrived"
+        # recvmsg's answer for the peer's arrival, compared in one go (the barrier's hot path)
+        credentials = [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, _UCRED.pack(pid, uid, gid))]
+        self.expected = (self.message, credentials, 0, address)
+        self.arrived = 0  # barrier messages received from the peer
+        self.dropped = 0  # datagrams that did not come from the peer
+        self.last_problem = ""
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+
+    def take_queued(self) -> str | None:
+        """Count every queued message of the peer, drop the rest; why the last dropped one was
+        dropped (None if none was)."""
+        problem = None
+        while True:
+            try:
+                received = self.socket.recvmsg(_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return problem
+            if received == self.expected:
+                self.arrived += 1
+                continue
+            why = self._problem(*received)
+            if why is None:  # a probe, or an arrival whose user or group reads differently here
+                if received[0] != _PROBE:
+                    self.arrived += 1
+                continue
+            self.dropped += 1
+            self.last_problem = problem = why
+            _log.debug("shared-memory barrier for rank %d: dropped a datagram (%s)", self.peer, why)
+
+    def _problem(self, data: bytes, ancillary: list, flags: int, sender: object) -> str | None:
+        """Why a datagram is not the peer's barrier message, or None if it is."""
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) != _MESSAGE_BYTES:
+            return f"not {_MESSAGE_BYTES} bytes"
+        if sender != self.address:
+            return f"sent from {sender!r}, not from rank {self.peer}'s socket"
+        pid = _sender_pid(ancillary)
+        if pid != self.pid:
+            return f"sent by process {pid}, not by rank {self.peer}'s process {self.pid}"
+        if data != self.message and data != _PROBE:
+            return f"says {data.hex()}, neither rank {self.peer}'s arrival nor a probe"
+        return None
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The sender's process id from the kernel's ``SCM_CREDENTIALS`` record, None without one."""
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
+            return _UCRED.unpack_from(payload)[0]
+    return None
 
 
 class _Segment:
@@ -152,41 +239,65 @@ class ShmAllReduce(AllReduceAlgorithm):
         self._peer_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._deferred: list[tuple[torch.Tensor, int]] = []
         self._broken: CollectiveError | None = None  # a failed barrier leaves the ranks out of step
-        self._socket: socket.socket | None = None
-        self._arrived = [0] * self.world_size  # barrier messages received from each rank
+        self._links: list[_PeerLink] = []
+        self._warned_drop = False
         if self.world_size > 1:
-            self._connect()
-            self._staging = self._new_segment(self.chunk_bytes)
+            try:
+                self._connect()
+                self._staging = self._new_segment(self.chunk_bytes)
+            except BaseException:
+                self.close()
+                raise
 
     # -- signalling -------------------------------------------------------------------------------
-    def _token(self, what: str) -> str:
+    def _secret(self, what: str) -> bytes:
+        """16 random bytes from the group's first rank, the same on every rank (collective)."""
         token = torch.zeros(16, dtype=torch.uint8, device=self.collectives.device)
         if self.rank == 0:
             token.copy_(torch.tensor(list(secrets.token_bytes(16)), dtype=torch.uint8))
         self.collectives.broadcast(token, src=self.peers[0], name=f"{what}.token")
-        return bytes(token.cpu().tolist()).hex()
+        return bytes(token.cpu().tolist())
 
     def _connect(self) -> None:
-        """Bind this rank's datagram socket; learn the peers' addresses (collective)."""
-        token = self._token("shm.signal")
-        address = [f"\0spread-shm-{token}-{k}".encode() for k in range(self.world_size)]
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        """Open one datagram socket per peer, connected to that peer's socket for this rank, and
+        learn the peers' process ids (collective)."""
+        secret = self._secret("shm.signal")
+        mine = torch.tensor([os.getpid(), os.geteuid(), os.getegid()], dtype=torch.int64)
+        creds = [
+            tuple(int(v) for v in c.tolist())
+            for c in self.collectives.all_gather(mine.to(self.collectives.device), name="shm.signal.pids")
+        ]
+        links: list[_PeerLink] = []
         try:
-            sock.bind(address[self.rank])
+            for k in range(self.world_size):
+                if k != self.rank:
+                    links.append(_PeerLink(k, *creds[k], _address(secret, k, self.rank)))
+                    links[-1].socket.bind(_address(secret, self.rank, k))
+            self.collectives.barrier(name="shm.bind")
+            for link in links:
+                link.socket.connect(link.address)  # from now on the kernel takes only that peer's
             self.collectives.barrier(name="shm.connect")
         except BaseException:
-            sock.close()
+            for link in links:
+                link.socket.close()
             raise
-        self._socket = sock
+        self._links = links
+        self._link_of_fd = {link.socket.fileno(): link for link in links}
         self._poller = select.poll()
-        self._poller.register(sock, select.POLLIN)
-        self._peer_addresses = [(k, address[k]) for k in range(self.world_size) if k != self.rank]
+        for link in links:
+            self._poller.register(link.socket, select.POLLIN)
+        self._barrier("shm.connect")  # the path works both ways; drops what was queued before
+
+    @property
+    def dropped_datagrams(self) -> int:
+        """Datagrams that reached this rank's barrier sockets without coming from a peer (dropped)."""
+        return sum(link.dropped for link in self._links)
 
     # -- shared segments ---------------------------------------------------------------------------
     def _map(self, size: int, what: str) -> mmap.mmap:
         """Create (first rank) and map (every rank) a zero-filled shared file of ``size`` bytes."""
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-        path = os.path.join(folder, f"spread-shm-{self._token(what)}")
+        path = os.path.join(folder, f"spread-shm-{self._secret(what).hex()}")
         try:
             if self.rank == 0:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -251,58 +362,81 @@ class ShmAllReduce(AllReduceAlgorithm):
 
     def _wait_for_peers(self, op: str) -> None:
         self._generation += 1
-        generation, arrived = self._generation, self._arrived
-        message = self.rank.to_bytes(2, "little")
-        for k, address in self._peer_addresses:
-            while not self._send(op, k, address, message):  # the peer's queue is full:
-                self._take_queued()  # take ours in the meantime (no deadlock between full queues)
+        generation = self._generation
         deadline = time.monotonic() + self.timeout
+        message = self.rank.to_bytes(_MESSAGE_BYTES, "little")
+        for link in self._links:
+            while not self._send(op, link, message):  # the peer's queue is full:
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeout(
+                        self.rank, op, generation, f"rank {link.peer}'s barrier queue stayed full"
+                    )
+                # Take ours meanwhile (no deadlock between full queues).
+                self._take_queued(_FULL_QUEUE_WAIT_MS)
         while True:
-            behind = [k for k, _ in self._peer_addresses if arrived[k] < generation]
+            behind = [link for link in self._links if link.arrived < generation]
             if not behind:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeout(
-                    self.rank, op, generation, f"ranks {behind} did not reach the shared-memory barrier"
+                    self.rank,
+                    op,
+                    generation,
+                    f"ranks {[link.peer for link in behind]} did not reach the shared-memory barrier"
+                    + self._drop_note(),
                 )
-            # The socket stays blocking (so MSG_DONTWAIT means "do not wait"); poll bounds the wait.
-            if self._poller.poll(1000 * min(_PROBE_EVERY, remaining)):
-                self._take_queued()
+            if self._take_queued(1000 * min(_PROBE_EVERY, remaining)):
                 continue
             # Still waiting: is every missing peer still there? (Count what slipped in first.)
-            self._take_queued()
-            for k, address in self._peer_addresses:
-                if arrived[k] < generation:
-                    self._send(op, k, address, _PROBE)
+            self._take_queued(0)
+            for link in behind:
+                if link.arrived < generation:
+                    self._send(op, link, _PROBE)
 
-    def _send(self, op: str, peer: int, address: bytes, message: bytes) -> bool:
-        """Send ``message`` to ``peer`` without blocking; False if its queue is full. A closed
+    def _send(self, op: str, link: _PeerLink, message: bytes) -> bool:
+        """Send ``message`` to ``link``'s peer without blocking; False if its queue is full. A closed
         socket means the peer process is gone: :class:`~spread.errors.PeerLostError`."""
         try:
-            self._socket.sendto(message, socket.MSG_DONTWAIT, address)
+            link.socket.send(message, socket.MSG_DONTWAIT)
             return True
         except BlockingIOError:
             return False
-        except (ConnectionRefusedError, FileNotFoundError):
+        except OSError as exc:
+            if exc.errno not in _PEER_GONE:
+                raise
             raise PeerLostError(
                 self.rank,
                 op,
                 self._generation,
-                f"rank {peer} left (its shared-memory barrier socket is closed)",
-                peer=peer,
+                f"rank {link.peer} left (its shared-memory barrier socket is closed)",
+                peer=link.peer,
             ) from None
 
-    def _take_queued(self) -> None:
-        while True:
-            try:
-                self._count(self._socket.recv(8, socket.MSG_DONTWAIT))
-            except BlockingIOError:
-                return
+    def _take_queued(self, wait_ms: float) -> bool:
+        """Wait up to ``wait_ms`` for datagrams, then count every queued one; False if none came."""
+        # The sockets stay blocking (so MSG_DONTWAIT means "do not wait"); poll bounds the wait.
+        ready = self._poller.poll(wait_ms)
+        for fd, _ in ready:
+            problem = self._link_of_fd[fd].take_queued()
+            if problem is not None and not self._warned_drop:
+                self._warned_drop = True
+                _log.warning(
+                    "rank %d: dropped a datagram on the shared-memory barrier socket for rank %d (%s); "
+                    "something other than the peer is sending to it (counted in dropped_datagrams)",
+                    self.rank,
+                    self._link_of_fd[fd].peer,
+                    problem,
+                )
+        return bool(ready)
 
-    def _count(self, data: bytes) -> None:
-        if data != _PROBE:
-            self._arrived[int.from_bytes(data, "little")] += 1
+    def _drop_note(self) -> str:
+        """For a timeout's message: what was dropped (a peer whose messages all fail the checks,
+        e.g. from another PID namespace, shows up here)."""
+        problems = [f"on rank {k.peer}'s socket: {k.last_problem}" for k in self._links if k.dropped]
+        if not problems:
+            return ""
+        return f" ({self.dropped_datagrams} datagrams dropped; the last {'; '.join(problems)})"
 
     # -- the algorithm ----------------------------------------------------------------------------
     def _sum_my_slice(self, copies: list[torch.Tensor], numel: int) -> int:
@@ -422,9 +556,15 @@ class ShmAllReduce(AllReduceAlgorithm):
         self._deferred.clear()  # never waited for: running them now could wait on a rank that is gone
         super().close()
         self._peer_views.clear()
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        for link in self._links:
+            link.socket.close()
+        if self.dropped_datagrams:
+            _log.warning(
+                "rank %d: the shared-memory barrier dropped %d datagrams that no peer sent",
+                self.rank,
+                self.dropped_datagrams,
+            )
+        self._links = []
         for segment in self._segments:
             segment.views.clear()
             try:
