@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import zmq
+from _zmq_peers import FakeServer, Relay
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
 from spread.ps.rpc_api import ClientHandshake, Session, _keys, seq_bytes
@@ -471,37 +472,6 @@ def test_concurrent_calls_share_one_client():
     assert sorted(results) == list(range(8))
 
 
-class _FakeServer:
-    """A process without the token at a server's address: answers every message with ``reply``."""
-
-    def __init__(self, reply) -> None:
-        self.context = zmq.Context()
-        self.router = self.context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"127.0.0.1:{port}"
-        self.received: list[list[bytes]] = []
-        self._reply = reply
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.router.poll(50):
-                continue
-            identity, *parts = self.router.recv_multipart()
-            self.received.append(parts)
-            for answer in self._reply(parts):
-                self.router.send_multipart([identity, *answer])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.router.close(0)
-        self.context.term()
-
-
 def _task_frame() -> bytes:
     return encode({"op": "task", "function": ["builtins", "exec"], "args": ["print('pwned')"]})
 
@@ -520,7 +490,7 @@ def _task_frame() -> bytes:
     ids=["no-handshake", "made-up-proof"],
 )
 def test_a_client_takes_nothing_from_a_server_that_cannot_prove_the_token(reply):
-    fake = _FakeServer(reply)
+    fake = FakeServer(reply)
     client = RpcClient(fake.address, peer="the chief", token=TOKEN, timeout=10)
     try:
         with pytest.raises(JobTokenError, match=r"the chief: session refused: .*could not prove the token"):
@@ -531,48 +501,6 @@ def test_a_client_takes_nothing_from_a_server_that_cannot_prove_the_token(reply)
     finally:
         client.close()
         fake.close()
-
-
-class _Relay:
-    """A man in the middle between one client and a server: forwards, records, and can inject."""
-
-    def __init__(self, server_address: str) -> None:
-        self.context = zmq.Context()
-        self.front = self.context.socket(zmq.ROUTER)
-        self.front.setsockopt(zmq.LINGER, 0)
-        self.address = f"127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
-        self.back = self.context.socket(zmq.DEALER)
-        self.back.setsockopt(zmq.LINGER, 0)
-        self.back.connect(f"tcp://{server_address}")
-        self.answers: list[list[bytes]] = []
-        self.identity: bytes | None = None
-        self.inject_after_next_answer: list[list[bytes]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.front, zmq.POLLIN)
-        poller.register(self.back, zmq.POLLIN)
-        while not self._stop.is_set():
-            ready = dict(poller.poll(50))
-            if ready.get(self.front):
-                self.identity, *parts = self.front.recv_multipart()
-                self.back.send_multipart(parts)
-            if ready.get(self.back):
-                parts = self.back.recv_multipart()
-                self.answers.append(parts)
-                self.front.send_multipart([self.identity, *parts])
-                while self.inject_after_next_answer:
-                    self.front.send_multipart([self.identity, *self.inject_after_next_answer.pop(0)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.front.close(0)
-        self.back.close(0)
-        self.context.term()
 
 
 def _items(n, gate):
@@ -588,7 +516,7 @@ def _items(n, gate):
 def test_recorded_answers_replayed_by_an_impostor_or_injected_into_a_live_stream_are_refused():
     gate = threading.Event()
     srv = RpcServer("chief", {}, stream_handlers={"tasks": _items(2, gate)}, token=TOKEN).start()
-    relay = _Relay(srv.address)
+    relay = Relay(srv.address)
     client = RpcClient(relay.address, peer="the chief", token=TOKEN, timeout=10)
     try:
         got = [m for m, _ in client.stream("tasks", {"who": "first"})]
@@ -602,7 +530,7 @@ def test_recorded_answers_replayed_by_an_impostor_or_injected_into_a_live_stream
                 return [[parts[1], *recorded[0][1:]]]
             return [[parts[1], *answer[1:]] for answer in recorded[1:]]
 
-        fake = _FakeServer(replay)
+        fake = FakeServer(replay)
         other = RpcClient(fake.address, peer="the chief", token=TOKEN, timeout=10)
         with pytest.raises(JobTokenError, match="could not prove the token"):
             other.stream("tasks", {"who": "x"}, connect_timeout=10)

@@ -203,6 +203,10 @@ class ClusterCoordinator:
         if self.role == "worker":
             self._script_modules.add(reference[0])
             self._serve()
+        return self._enqueue(reference, args, kwargs)
+
+    def _enqueue(self, reference: tuple[str, str], args: tuple, kwargs: dict | None) -> RemoteValue:
+        """Queue a task naming ``reference`` (checked by :meth:`schedule`, and again by the worker)."""
         tensors: Tensors = {}
         encoded = _encode((list(args), dict(kwargs or {})), tensors)
         with self._lock:
