@@ -24,7 +24,7 @@ def _assert_clean(run: TaskRun) -> None:
 
 
 def _assert_all_gone(runs: list[TaskRun]) -> None:
-    assert all(r.returncode is not None for r in runs), [r.describe() for r in runs if r.returncode is None]
+    assert all(r.returncode is not None for r in runs), "\n".join(r.describe() for r in runs)
     assert not [r.pid for r in runs if process_alive(r.pid)]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spread.cluster import ClusterSpec
-from spread.testing.harness import _die_with_parent, launch_ranks
+from spread.testing.harness import launch_ranks
 
 
 def free_ports(n: int) -> list[int]:
@@ -157,8 +157,9 @@ def run_ps_script(
 ) -> list[TaskRun]:
     """Run ``script`` as a whole parameter-server job, one ``python script`` process per task, each
     with its ``TF_CONFIG`` and a shared fresh ``SPREAD_JOB_TOKEN``, and nothing else: no launcher
-    stops anyone, so the job must end by itself. Processes still running at ``timeout`` are killed
-    (with their process groups) and reported with ``returncode=None``. Returns every task's run in
+    stops anyone, so the job must end by itself. Processes still running at ``timeout`` (or when
+    this function is interrupted) are killed with their process groups and reported with
+    ``returncode=None``. Returns every task's run in
     rank order (chief, workers, servers)."""
     envs = ps_job_env(num_workers, num_ps)
     token = secrets.token_hex(16)
@@ -175,8 +176,11 @@ def run_ps_script(
                         env={**os.environ, **(env or {}), **rank_env, "SPREAD_JOB_TOKEN": token},
                         stdout=out,
                         stderr=err,
+                        # Its own session: killed with its helpers below. No preexec_fn (it would make
+                        # this a plain fork: in a process that loaded gRPC, gRPC's fork handlers
+                        # restart a poller thread in the child, whose epoll descriptor close_fds then
+                        # closes, and the child aborts before it runs).
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
                     )
                 procs.append((task["type"], int(task["index"]), proc))
             deadline = start + timeout
