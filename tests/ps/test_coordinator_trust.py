@@ -79,7 +79,9 @@ def _real_chief(cluster: dict, address: str) -> ClusterCoordinator:
         cluster={**cluster, "chief": [address]},
         source="tf_config",
     )
-    strategy = SimpleNamespace(cluster=spec, job_token=TOKEN, transport="zmq", wait_for_workers_on_close=True)
+    strategy = SimpleNamespace(
+        cluster=spec, job_token=TOKEN, transport="zmq", wait_for_workers_on_close=True, init_timeout=30
+    )
     return ClusterCoordinator(strategy)
 
 

@@ -82,3 +82,15 @@ def test_coordinator_job_without_shutdown_ends_by_itself(transport, ending):
         _assert_clean(chief)
     for run in others:  # the workers were told to stop, the servers were stopped
         _assert_clean(run)
+
+
+def test_a_coordinator_worker_that_starts_after_all_the_work_is_still_told_to_stop(tmp_path):
+    """Worker 1 starts only once worker 0 has run every task and the chief's script has ended: the
+    chief still waits for it and tells it to stop (else it would wait for a chief that is gone)."""
+    env = {"SPREAD_TEST_LATE_DIR": str(tmp_path)}
+    runs = run_ps_script(SCRIPTS / "coordinator_ending.py", 3, 2, env=env, timeout=TIMEOUT)
+    _assert_all_gone(runs)
+    for run in runs:
+        _assert_clean(run)
+    stats = json.loads((tmp_path / "trained").read_text())
+    assert stats["sessions"] == 1 and stats["completed"] == 17  # all the work, by worker 0 alone

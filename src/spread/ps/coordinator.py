@@ -178,7 +178,10 @@ class ClusterCoordinator:
                 token=self._token,
                 address=self.chief_address,
             ).start()
-            self._at_exit = close_at_exit("the chief's ClusterCoordinator", lambda failing: self.shutdown())
+            self._at_exit = close_at_exit(
+                "the chief's ClusterCoordinator",
+                lambda failing: self._shutdown(wait_for_late_workers=not failing),
+            )
         elif self.role != "worker":
             raise SpreadError(f"ClusterCoordinator runs on the chief and worker tasks, not on a {self.role}")
 
@@ -267,7 +270,15 @@ class ClusterCoordinator:
             }
 
     def shutdown(self) -> None:
-        """Tell connected workers to stop, stop serving, release every thread and socket. Idempotent."""
+        """Tell every worker to stop, stop serving, release every thread and socket. Idempotent.
+
+        A worker that never connected (it started late, after the others did all the work) is
+        waited for as long as a worker waits for the chief (the strategy's ``init_timeout``), so it
+        too is told to stop instead of waiting for a chief that is gone.
+        """
+        self._shutdown(wait_for_late_workers=True)
+
+    def _shutdown(self, *, wait_for_late_workers: bool) -> None:
         if self._closed or self.role != "chief":
             return
         self._at_exit.cancel()
@@ -275,10 +286,24 @@ class ClusterCoordinator:
             self._closed = True
             self._stopping = True
             self._lock.notify_all()
-        deadline = time.monotonic() + 10.0
+        now = time.monotonic()
+        deadline = now + 10.0
+        late_deadline = now + (self.strategy.init_timeout if wait_for_late_workers else 0.0)
+        expected = range(1, self.strategy.cluster.world_size)  # the worker tasks' ranks
         with self._lock:
-            while self._inflight and time.monotonic() < deadline:  # let sessions say "stop" first
+            while True:  # let sessions say "stop" first, late workers included
+                now = time.monotonic()
+                never_connected = [rank for rank in expected if not self.sessions[rank]]
+                if not (self._inflight and now < deadline) and not (never_connected and now < late_deadline):
+                    break
                 self._lock.wait(_TICK)
+        if never_connected and wait_for_late_workers:
+            print(
+                f"spread: the chief's coordinator: worker(s) of rank(s) {never_connected} never connected "
+                f"within {self.strategy.init_timeout:g}s; stopping without them",
+                file=sys.stderr,
+                flush=True,
+            )
         self._server.stop()
 
     def __enter__(self) -> ClusterCoordinator:

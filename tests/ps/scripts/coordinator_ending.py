@@ -1,11 +1,15 @@
 """A ClusterCoordinator loop, as in TensorFlow's tutorial, that returns without shutdown() or close().
 
 The chief's ending comes from SPREAD_TEST_CHIEF_ENDING: "return", "exit" (sys.exit(0)) or "raise"
-(after join()).
+(after join()). With SPREAD_TEST_LATE_DIR, worker 1 starts only once the chief has finished all the
+work (the chief leaves a file there).
 """
 
+import json
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,6 +41,13 @@ def eval_step(iterator):  # scheduled only after training: a worker never reache
         return (STATE["model"](x).argmax(1) == y).float().mean()
 
 
+late = os.environ.get("SPREAD_TEST_LATE_DIR")
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+if late and task == {"type": "worker", "index": 1}:
+    deadline = time.monotonic() + 60
+    while not Path(late, "trained").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
 strategy = spread.ParameterServerStrategy()
 with strategy.scope():
     torch.manual_seed(0)
@@ -49,6 +60,8 @@ coordinator.join()
 accuracy = coordinator.schedule(eval_step, args=(iterator,))
 coordinator.join()
 print(f"last loss {float(losses[-1].fetch()):.3f}; accuracy {float(accuracy.fetch()):.2f}", flush=True)
+if late:
+    Path(late, "trained").write_text(json.dumps(coordinator.stats()))
 ending = os.environ.get("SPREAD_TEST_CHIEF_ENDING", "return")
 if ending == "exit":
     sys.exit(0)
