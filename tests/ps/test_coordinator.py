@@ -168,9 +168,32 @@ def test_dead_parameter_server_is_named_within_the_timeout():
 def test_schedule_refuses_functions_workers_cannot_find():
     from spread.ps.coordinator import _function_reference
 
-    with pytest.raises(ValueError, match="module-level function"):
+    with pytest.raises(ValueError, match="module-level Python function"):
         _function_reference(lambda: None)
+    for builtin in (exec, print, os.system, nn.Linear):  # never schedulable, even by the chief
+        with pytest.raises(ValueError, match="module-level Python function"):
+            _function_reference(builtin)
     assert _function_reference(_train_step) == (__name__, "_train_step")
+
+
+def test_a_worker_resolves_only_functions_of_its_script_modules():
+    from spread.ps.coordinator import _resolve_function
+
+    here = {__name__}
+    assert _resolve_function(__name__, "_train_step", modules=here) is _train_step
+    refused = [
+        ("builtins", "exec"),  # a builtin
+        ("os", "system"),  # a module the worker imported, not its script
+        (__name__, "time.sleep"),  # reached through an attribute of the script
+        (__name__, "run_ps_job"),  # a library function imported into the script
+        (__name__, "nn.Linear"),
+        (__name__, "_STATE.clear"),
+        (__name__, "no_such_function"),
+        ("spread.ps.coordinator", "_encode"),  # a real function of a module outside the script's
+    ]
+    for module, qualname in refused:
+        with pytest.raises(SpreadError, match="which this worker does not run"):
+            _resolve_function(module, qualname, modules=here | {"os"})
 
 
 def _stuck_worker_job(num_tasks: int, max_attempts: int) -> dict:

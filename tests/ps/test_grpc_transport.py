@@ -1,5 +1,6 @@
-"""The gRPC RPC layer: the same contract as tests/ps/test_transport.py (calls, wrong token refused,
-malformed and oversized frames refused while serving goes on, dead servers named, no threads left)."""
+"""The gRPC RPC layer: the same contract as tests/ps/test_zmq_transport.py (calls, wrong token
+refused, both ends proving the token, recorded calls refused when replayed, malformed and oversized
+frames refused while serving goes on, dead servers named, no threads left)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,19 @@ import torch
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
 from spread.ps.grpc_transport import (
-    PROOF_KEY,
+    _REQUEST,
+    HELLO,
+    MAC_KEY,
+    SEQ_KEY,
     SERVICE,
+    SESSION_KEY,
     RequestRefused,
     RpcClient,
     RpcServer,
-    _metadata_proof,
+    Stream,
 )
-from spread.ps.wire import encode
+from spread.ps.rpc_api import ClientHandshake, Session, _keys, seq_bytes
+from spread.ps.wire import encode, header_part
 
 TOKEN = "right-token"
 
@@ -48,11 +54,38 @@ def client(server):
     c.close()
 
 
+class _RawSession:
+    """A session opened by hand (the server's proof is not checked), to sign hand-made calls."""
+
+    def __init__(self, address: str, token: str = TOKEN) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+        handshake = ClientHandshake(token)
+        answer = self.channel.unary_unary(f"/{SERVICE}/{HELLO}", _registered_method=False)(
+            handshake.nonce, timeout=30
+        )
+        session_id, nonce = answer[:16], answer[16:32]
+        self.session = Session(session_id, _keys(token, handshake.nonce, nonce, session_id)[1])
+
+    def metadata(self, method: str, request: bytes, seq: int | None = None) -> list[tuple[str, str]]:
+        seq = self.session.next_seq() if seq is None else seq
+        mac = self.session.mac(_REQUEST, seq_bytes(seq), method.encode(), header_part(request))
+        return [(SESSION_KEY, self.session.session_id.hex()), (SEQ_KEY, str(seq)), (MAC_KEY, mac.hex())]
+
+    def call(self, method: str, request: bytes, metadata: list | None = None) -> bytes:
+        stub = self.channel.unary_unary(f"/{SERVICE}/{method}", _registered_method=False)
+        return stub(request, timeout=30, metadata=metadata or self.metadata(method, request))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 def _raw_call(address: str, method: str, request: bytes, token: str = TOKEN) -> bytes:
-    """A call with hand-made request bytes, bypassing the client's encoder."""
-    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
-        stub = channel.unary_unary(f"/{SERVICE}/{method}", _registered_method=False)
-        return stub(request, timeout=30, metadata=((PROOF_KEY, _metadata_proof(token)),))
+    """A call with hand-made request bytes in a session of its own, bypassing the client's encoder."""
+    raw = _RawSession(address, token)
+    try:
+        return raw.call(method, request)
+    finally:
+        raw.close()
 
 
 def test_call_round_trip_and_bytes_counted(client):
@@ -92,16 +125,41 @@ def test_wrong_token_is_refused_before_any_call(server):
     calls = []
     server._handlers["echo"] = lambda m, t: calls.append(m) or ({}, {})
     intruder = RpcClient(server.address, peer="test server", token="wrong-token")
-    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match"):
+    # The intruder's client cannot verify the server's proof: it sends nothing at all.
+    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match this job's"):
         intruder.call("echo", {"x": 1})
-    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match"):
+    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match this job's"):
         intruder.stream("echo", connect_timeout=10)
-    no_proof = grpc.insecure_channel(server.address, options=[("grpc.enable_http_proxy", 0)])
-    with no_proof, pytest.raises(grpc.RpcError) as raw:
-        no_proof.unary_unary(f"/{SERVICE}/echo", _registered_method=False)(b"", timeout=30)
-    assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert calls == [] and server.refused_connections == 3
     intruder.close()
+    no_session = grpc.insecure_channel(server.address, options=[("grpc.enable_http_proxy", 0)])
+    with no_session, pytest.raises(grpc.RpcError) as raw:
+        no_session.unary_unary(f"/{SERVICE}/echo", _registered_method=False)(b"", timeout=30)
+    assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # A hand-made caller that ignores the proof and signs with its own token is refused and counted.
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as raw:
+            _raw_call(server.address, "echo", encode({}), token="wrong-token")
+        assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "SPREAD_JOB_TOKEN does not match" in raw.value.details()
+    assert calls == [] and server.refused_connections == 2
+
+
+def test_a_replayed_call_is_refused(server):
+    calls = []
+    server._handlers["echo"] = lambda m, t: calls.append(m) or ({}, {})
+    raw = _RawSession(server.address)
+    request = encode({"stop": True})
+    recorded = raw.metadata("echo", request)  # the bytes and headers an eavesdropper would keep
+    raw.call("echo", request, recorded)
+    with pytest.raises(grpc.RpcError, match="replayed") as refused:
+        raw.call("echo", request, recorded)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    raw.close()
+    other = _RawSession(server.address)  # replayed from another connection
+    with pytest.raises(grpc.RpcError, match="replayed"):
+        other.call("echo", request, recorded)
+    other.close()
+    assert calls == [{"stop": True}] and server.refused_connections == 2
 
 
 def test_bad_dtype_code_is_refused_with_a_clear_error_and_serving_goes_on(server, client):
@@ -144,6 +202,10 @@ def test_http2_message_declaring_4_gib_is_refused_unread(server, client):
     DATA answer); stream 3 the same headers and a message header declaring 4 GiB followed by 1 KiB:
     it must end (trailers or reset) with no DATA, while the rest never arrives.
     """
+    valid = encode({"raw": True})
+    raw = _RawSession(server.address)
+    signed = raw.metadata("echo", valid)
+    raw.close()
     host, port = server.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=30)
 
@@ -162,10 +224,9 @@ def test_http2_message_declaring_4_gib_is_refused_unread(server, client):
             (":authority", server.address),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
-            (PROOF_KEY, _metadata_proof(TOKEN)),
+            *signed,
         ]
     )
-    valid = encode({"raw": True})
     sock.sendall(
         b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
         + frame(0x4, 0, 0, b"")  # SETTINGS
@@ -373,3 +434,94 @@ def test_concurrent_calls_share_one_client():
     client.close()
     srv.stop()
     assert sorted(results) == list(range(8))
+
+
+class _FakeServer:
+    """A gRPC server without the token at a server's address: ``answers`` maps a method to what it
+    returns (bytes for a unary call, a list of items for a stream)."""
+
+    def __init__(self, answers: dict) -> None:
+        self.calls: list[str] = []
+        fake = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                method = details.method.rsplit("/", 1)[1]
+                fake.calls.append(method)
+                answer = answers.get(method)
+                if isinstance(answer, list):
+                    return grpc.unary_stream_rpc_method_handler(lambda request, context: iter(answer))
+                return grpc.unary_unary_rpc_method_handler(lambda request, context: answer or b"")
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(4)
+        self.server = grpc.server(self._pool, handlers=[Handler()])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(None).wait()
+        self._pool.shutdown()
+
+
+def _task() -> bytes:
+    return encode({"op": "task", "function": ["builtins", "exec"], "args": ["print('pwned')"]})
+
+
+def test_a_client_takes_nothing_from_a_server_that_cannot_prove_the_token():
+    for hello in (None, b"s" * 16 + b"n" * 16 + b"p" * 32):  # no handshake at all; a made-up proof
+        fake = _FakeServer({HELLO: hello, "session": [b"m" * 32 + _task()], "pull": _task()})
+        client = RpcClient(fake.address, peer="the chief", token=TOKEN, timeout=10)
+        try:
+            with pytest.raises(
+                JobTokenError, match=r"the chief: session refused: .*could not prove the token"
+            ):
+                client.stream("session", {"worker": 1}, connect_timeout=10)
+            with pytest.raises(JobTokenError, match="could not prove the token"):
+                client.call("pull")
+            assert set(fake.calls) == {HELLO}  # nothing but handshakes reached it
+        finally:
+            client.close()
+            fake.close()
+
+
+def test_recorded_answers_replayed_by_an_impostor_are_refused():
+    def items(meta, tensors, ctx):
+        yield {"op": "task", "function": ["__main__", "step"]}, {}
+
+    srv = RpcServer("chief", {}, stream_handlers={"session": items}, token=TOKEN).start()
+    recorded: dict = {}
+    try:
+        raw = _RawSession(srv.address)  # records what a real chief answers a real worker
+        handshake = ClientHandshake(TOKEN)
+        recorded[HELLO] = raw.channel.unary_unary(f"/{SERVICE}/{HELLO}", _registered_method=False)(
+            handshake.nonce, timeout=30
+        )
+        request = encode({"worker": 1})
+        stub = raw.channel.unary_stream(f"/{SERVICE}/session", _registered_method=False)
+        recorded["session"] = list(stub(request, timeout=30, metadata=raw.metadata("session", request)))
+        raw.close()
+    finally:
+        srv.stop()
+    assert len(recorded["session"]) == 1
+    fake = _FakeServer(recorded)
+    client = RpcClient(fake.address, peer="the chief", token=TOKEN, timeout=10)
+    try:
+        with pytest.raises(JobTokenError, match="could not prove the token"):
+            client.stream("session", {"worker": 1}, connect_timeout=10)
+        # Even past a handshake (a session of its own), the recorded item proves another session.
+        client._session = handshake.finish(recorded[HELLO][:16], recorded[HELLO][16:32], recorded[HELLO][32:])
+        assert client._session is not None
+        stream = Stream(
+            client,
+            "session",
+            client._channel.unary_stream(f"/{SERVICE}/session", _registered_method=False)(b"", metadata=()),
+            client._session,
+            seq_bytes(7),
+        )
+        with pytest.raises(JobTokenError, match="forged or replayed"):
+            list(stream)
+    finally:
+        client.close()
+        fake.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,21 @@ def test_spread_run_starts_every_role_and_stops_the_servers(tmp_path):
     assert "[chief 0] applied [6, 6]" in done.stdout
     assert "[worker 0] finished worker 0" in done.stdout
     assert "[chief 0] finished chief 0" in done.stdout
+
+
+def test_spread_run_job_that_closes_nothing_ends_by_itself():
+    """The chief stops the servers when its script ends: spread run never has to (it says so when it
+    does), and nothing prints a traceback."""
+    script = Path(__file__).parent / "scripts" / "fit_ending.py"
+    cmd = [sys.executable, "-m", "spread.cli.main", "run", "--workers", "2", "--ps", "2", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "Traceback" not in done.stdout + done.stderr and "Exception ignored" not in done.stdout + done.stderr
+    )
+    assert "still running" not in done.stderr, done.stderr  # the launcher did not stop the servers
+    for task in ("chief 0", "worker 0", "worker 1"):
+        assert f"[{task}] trained {task}" in done.stdout
 
 
 def test_example_with_the_coordinator_under_spread_run():

@@ -1,6 +1,7 @@
 """The ZeroMQ RPC layer: the same contract as tests/ps/test_grpc_transport.py (calls, wrong token
-refused and counted, malformed and oversized frames refused while serving goes on, dead servers
-named, streams in order with end and cancel, no threads left)."""
+refused and counted, both ends proving the token, recorded messages refused when replayed, malformed
+and oversized frames refused while serving goes on, dead servers named, streams in order with end and
+cancel, no threads left)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,26 @@ import time
 import pytest
 import torch
 import zmq
+from _zmq_peers import FakeServer, Relay
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
+from spread.ps.rpc_api import ClientHandshake, Session, _keys, seq_bytes
 from spread.ps.wire import encode
 from spread.ps.zmq_transport import (
+    _REQUEST,
     CALL,
+    DENIED,
+    HEARTBEAT,
+    HELLO,
     INVALID,
+    NO_SESSION,
+    OK,
+    STREAM_ITEM,
+    STREAM_OPEN,
+    WELCOME,
     RequestRefused,
     RpcClient,
     RpcServer,
-    _message_proof,
 )
 
 TOKEN = "right-token"
@@ -49,23 +60,60 @@ def client(server):
     c.close()
 
 
+class _RawPeer:
+    """A bare DEALER socket speaking the protocol by hand (bypassing the client's checks)."""
+
+    def __init__(self, address: str) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{address}")
+        self.session: Session | None = None
+
+    def exchange(self, parts: list[bytes]) -> list[bytes]:
+        self.sock.send_multipart(parts)
+        assert self.sock.poll(30_000), "no answer from the server"
+        return self.sock.recv_multipart()
+
+    def open(self, token: str = TOKEN) -> Session:
+        """A handshake; with a wrong token the server's proof fails, and the key is this token's."""
+        handshake = ClientHandshake(token)
+        _rid, status, session_id, nonce, proof = self.exchange([HELLO, b"h", handshake.nonce])
+        assert status == WELCOME
+        self.session = handshake.finish(session_id, nonce, proof)
+        if self.session is None:  # what a wrong-token caller would have, had it ignored the proof
+            key = _keys(token, handshake.nonce, nonce, session_id)[1]
+            self.session = Session(session_id, key)
+        return self.session
+
+    def request(self, frame: bytes, rid: bytes = b"12345678", method: bytes = b"echo") -> list[bytes]:
+        """A request's parts, signed in this peer's session (opened at first use)."""
+        session = self.session or self.open()
+        seq = seq_bytes(session.next_seq())
+        mac = session.mac(_REQUEST, seq, CALL, rid, method, frame)
+        return [CALL, rid, method, session.session_id, seq, mac, frame]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.context.term()
+
+
 def _raw_call(address: str, parts: list[bytes]) -> list[bytes]:
     """Hand-made request parts on a bare DEALER socket, bypassing the client's encoder."""
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    peer = _RawPeer(address)
     try:
-        sock.connect(f"tcp://{address}")
-        sock.send_multipart(parts)
-        assert sock.poll(30_000), "no answer from the server"
-        return sock.recv_multipart()
+        return peer.exchange(parts)
     finally:
-        sock.close(0)
-        context.term()
+        peer.close()
 
 
-def _request(frame: bytes, token: str = TOKEN, rid: bytes = b"12345678") -> list[bytes]:
-    return [CALL, rid, b"echo", _message_proof(token), frame]
+def _signed_call(address: str, frame: bytes) -> list[bytes]:
+    """A request in a real session whose frame is ``frame`` (to reach the frame checks)."""
+    peer = _RawPeer(address)
+    try:
+        return peer.exchange(peer.request(frame))
+    finally:
+        peer.close()
 
 
 def test_call_round_trip_and_bytes_counted(client):
@@ -105,24 +153,58 @@ def test_wrong_token_is_refused_before_any_call(server):
     calls = []
     server._handlers["echo"] = lambda m, t: calls.append(m) or ({}, {})
     intruder = RpcClient(server.address, peer="test server", token="wrong-token")
-    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match"):
+    # The intruder's client cannot verify the server's proof: it sends nothing at all.
+    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match this job's"):
         intruder.call("echo", {"x": 1})
-    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match"):
+    with pytest.raises(JobTokenError, match="SPREAD_JOB_TOKEN does not match this job's"):
         intruder.stream("echo", connect_timeout=10)
-    rid, _status, text = _raw_call(server.address, [CALL, b"r", b"echo", b"", encode({})])
-    assert rid == b"r" and b"SPREAD_JOB_TOKEN does not match" in text
-    assert calls == [] and server.refused_connections == 3
     intruder.close()
+    # A hand-made caller that ignores the proof and signs with its own token is refused and counted.
+    peer = _RawPeer(server.address)
+    peer.open("wrong-token")
+    for _ in range(2):
+        rid, status, mac, text = peer.exchange(peer.request(encode({})))
+        assert rid == b"12345678" and status == DENIED and mac == b""
+        assert b"SPREAD_JOB_TOKEN does not match" in text
+    # A session id the server never issued: refused (the client would open a session).
+    parts = peer.request(encode({}))
+    parts[3] = b"\0" * 16
+    assert peer.exchange(parts)[1] == NO_SESSION
+    peer.close()
+    assert calls == [] and server.refused_connections == 2
+
+
+def test_a_replayed_request_is_refused_in_its_session_and_on_any_other_connection(server):
+    calls = []
+    server._handlers["echo"] = lambda m, t: calls.append(m) or ({}, {})
+    peer = _RawPeer(server.address)
+    recorded = peer.request(encode({"stop": True}))
+    assert peer.exchange(recorded)[1] == OK
+    _rid, status, _mac, text = peer.exchange(recorded)  # the same bytes again, same connection
+    assert status == DENIED and b"replayed" in text
+    peer.close()
+    other = _RawPeer(server.address)  # a recording replayed by another process
+    assert other.exchange(recorded)[1] == DENIED
+    other.close()
+    assert calls == [{"stop": True}] and server.refused_connections == 2
+
+
+def test_a_one_part_message_is_refused_like_other_bad_frames(server, client):
+    rid, status, mac, text = _raw_call(server.address, [b"x"])
+    assert (rid, status, mac) == (b"", INVALID, b"") and b"malformed request" in text
+    assert _raw_call(server.address, [HELLO, b"r", b"short nonce"])[1] == INVALID
+    assert _raw_call(server.address, [b"?", b"r", b"echo", b"", b"", b"", b""])[1] == INVALID
+    assert client.call("echo", {"alive": True})[0] == {"seen": {"alive": True}}
 
 
 def test_bad_frames_are_refused_with_a_clear_error_and_serving_goes_on(server, client):
     header = b'{"meta":{},"tensors":[{"name":"x","dtype":77,"shape":[2]}]}'
     frame = b"SPR1" + struct.pack("<I", len(header)) + header + b"\0" * 8
     for bad in (frame, b"junk", b""):
-        rid, status, text = _raw_call(server.address, _request(bad))
+        rid, status, _mac, text = _signed_call(server.address, bad)
         assert rid == b"12345678" and status == INVALID
         assert text.startswith(b"test server: malformed frame")
-    assert b"unknown dtype code 77" in _raw_call(server.address, _request(frame))[2]
+    assert b"unknown dtype code 77" in _signed_call(server.address, frame)[3]
     # A request missing its parts is answered too (when it names a request id) or dropped.
     assert _raw_call(server.address, [CALL, b"r9", b"echo"])[1] == INVALID
     assert client.call("echo", {"alive": True})[0] == {"seen": {"alive": True}}
@@ -131,7 +213,7 @@ def test_bad_frames_are_refused_with_a_clear_error_and_serving_goes_on(server, c
 def test_huge_declared_tensor_is_refused_before_allocation(server, client):
     header = b'{"meta":{},"tensors":[{"name":"x","dtype":1,"shape":[1073741824,10]}]}'
     frame = b"SPR1" + struct.pack("<I", len(header)) + header
-    assert b"over the limit" in _raw_call(server.address, _request(frame))[2]
+    assert b"over the limit" in _signed_call(server.address, frame)[3]
     assert client.call("echo", {"alive": True})[0] == {"seen": {"alive": True}}
 
 
@@ -388,3 +470,86 @@ def test_concurrent_calls_share_one_client():
     client.close()
     srv.stop()
     assert sorted(results) == list(range(8))
+
+
+def _task_frame() -> bytes:
+    return encode({"op": "task", "function": ["builtins", "exec"], "args": ["print('pwned')"]})
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        # speaks the old protocol: opens the stream and sends a task, no handshake at all
+        lambda parts: [[parts[1], b"\x05"], [parts[1], STREAM_ITEM, _task_frame()]],
+        # answers the handshake with a made-up proof, then a task
+        lambda parts: [
+            [parts[1], WELCOME, b"s" * 16, b"n" * 16, b"p" * 32],
+            [parts[1], STREAM_ITEM, b"", _task_frame()],
+        ],
+    ],
+    ids=["no-handshake", "made-up-proof"],
+)
+def test_a_client_takes_nothing_from_a_server_that_cannot_prove_the_token(reply):
+    fake = FakeServer(reply)
+    client = RpcClient(fake.address, peer="the chief", token=TOKEN, timeout=10)
+    try:
+        with pytest.raises(JobTokenError, match=r"the chief: session refused: .*could not prove the token"):
+            client.stream("session", {"worker": 1}, connect_timeout=10)
+        with pytest.raises(JobTokenError, match="could not prove the token"):
+            client.call("pull")
+        assert [p[0] for p in fake.received] == [HELLO, HELLO]  # nothing but the handshakes was sent
+    finally:
+        client.close()
+        fake.close()
+
+
+def _items(n, gate):
+    def handler(meta, tensors, ctx):
+        if meta["who"] != "first":
+            gate.wait(30)
+        for i in range(n):
+            yield {"i": i, "who": meta["who"]}, {}
+
+    return handler
+
+
+def test_recorded_answers_replayed_by_an_impostor_or_injected_into_a_live_stream_are_refused():
+    gate = threading.Event()
+    srv = RpcServer("chief", {}, stream_handlers={"tasks": _items(2, gate)}, token=TOKEN).start()
+    relay = Relay(srv.address)
+    client = RpcClient(relay.address, peer="the chief", token=TOKEN, timeout=10)
+    try:
+        got = [m for m, _ in client.stream("tasks", {"who": "first"})]
+        assert got == [{"i": 0, "who": "first"}, {"i": 1, "who": "first"}]
+        recorded = [a for a in relay.answers if a[1] != HEARTBEAT]  # WELCOME, open, 2 items, end
+        assert recorded[0][1] == WELCOME and [a[1] for a in recorded[2:4]] == [STREAM_ITEM, STREAM_ITEM]
+
+        # 1. An impostor replays the whole recording to a new client: its handshake proof is stale.
+        def replay(parts):
+            if parts[0] == HELLO:
+                return [[parts[1], *recorded[0][1:]]]
+            return [[parts[1], *answer[1:]] for answer in recorded[1:]]
+
+        fake = FakeServer(replay)
+        other = RpcClient(fake.address, peer="the chief", token=TOKEN, timeout=10)
+        with pytest.raises(JobTokenError, match="could not prove the token"):
+            other.stream("tasks", {"who": "x"}, connect_timeout=10)
+        other.close()
+        fake.close()
+
+        # 2. Inside a live session (the relay forwards the real handshake), a recorded item from the
+        # first stream, re-addressed to the second stream's request id, is refused: its MAC is bound
+        # to the first stream's request id.
+        stream = client.stream("tasks", {"who": "second"})
+        rid = [a for a in relay.answers if a[1] == STREAM_OPEN][-1][0]  # the second stream's
+        relay.inject_after_next_answer.append([rid, *recorded[2][1:]])
+        gate.set()
+        messages = iter(stream)
+        with pytest.raises(JobTokenError, match=r"an answer did not prove .*forged or replayed"):
+            while True:
+                next(messages)
+    finally:
+        gate.set()
+        client.close()
+        relay.close()
+        srv.stop()

@@ -1,10 +1,12 @@
 """The parameter-server runtime: wire format, transport, servers, placement, client, coordinator.
 
 One module per job: :mod:`wire` (tensor frames, never pickle), :mod:`zmq_transport` and
-:mod:`grpc_transport` (the RPC layer on ZeroMQ or gRPC, picked by :mod:`transports`; a job-token
-proof on every message), :mod:`optimizers` (server-side SGD/Adagrad/Adam/AdamW), :mod:`placement`
-(which server holds which variable or row range), :mod:`server` (a parameter server),
-:mod:`client` (a worker's view of all servers), :mod:`coordinator` (TF-style ``ClusterCoordinator``).
+:mod:`grpc_transport` (the RPC layer on ZeroMQ or gRPC, picked by :mod:`transports`),
+:mod:`rpc_api` (what both share: sessions in which both ends prove the job token and nothing
+replays), :mod:`at_exit` (closing what a script left open, before Python shuts its thread pools
+down), :mod:`optimizers` (server-side SGD/Adagrad/Adam/AdamW), :mod:`placement` (which server holds
+which variable or row range), :mod:`server` (a parameter server), :mod:`client` (a worker's view of
+all servers), :mod:`coordinator` (TF-style ``ClusterCoordinator``).
 """
 
 from spread.ps.client import PSClient

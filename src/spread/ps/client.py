@@ -251,11 +251,11 @@ class PSClient:
         answers = self._each({s: (lambda c: c.call("stats", {"ids": ids})) for s in range(self.num_servers)})
         return [answers[s][0] for s in range(self.num_servers)]
 
-    def done(self, worker: int) -> list[list[int]]:
-        """Tell every server that training worker ``worker`` finished; returns each server's done list."""
-        answers = self._each(
-            {s: (lambda c: c.call("done", {"worker": worker})) for s in range(self.num_servers)}
-        )
+    def done(self, worker: int, *, failed: bool = False) -> list[list[int]]:
+        """Tell every server that training worker ``worker`` finished (``failed``: its script raised);
+        returns each server's done list."""
+        meta = {"worker": worker, "failed": failed}
+        answers = self._each({s: (lambda c: c.call("done", meta)) for s in range(self.num_servers)})
         return [answers[s][0]["done"] for s in range(self.num_servers)]
 
     def stop(self) -> None:

@@ -9,6 +9,18 @@ What travels is a *reference*, never code: the function's module and qualified n
 module-level function of a module the worker has already imported, normally the script itself) and
 its arguments as tensors and JSON values, or per-worker iterators (``create_per_worker_dataset``).
 
+Trust: a worker takes tasks only from a chief that proved the job token in a session of its own
+(:mod:`spread.ps.rpc_api`: a process at the chief's address without the token, or replaying what it
+recorded, gets nothing run). And even the chief can name only plain Python functions defined in the
+modules whose functions this worker handed to ``schedule`` (normally the script, ``__main__``, which
+is always one): never a builtin (``builtins.exec``), a library function, a class or an object
+imported into the script from elsewhere, and a name never causes an import. Why modules, not the
+functions themselves: a worker serves from its first ``schedule`` call on, so it never reaches the
+script's later calls (TensorFlow's tutorial schedules an evaluation step after training).
+
+Ending: on the chief, a coordinator that is not shut down is shut down when the script ends
+(:mod:`spread.ps.at_exit`), so the workers are told to stop and the job ends by itself.
+
 Failure handling: each worker holds one streaming call to the chief and runs one task at a time. If
 the worker dies, the chief sees the stream end and puts the worker's in-flight task back at the
 front of the queue (``rescheduled``); a restarted worker opens a new stream and gets work again. A
@@ -32,6 +44,7 @@ import secrets
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +52,7 @@ from typing import Any
 import torch
 
 from spread.errors import RemoteCallError, SpreadError
+from spread.ps.at_exit import close_at_exit
 from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
 from spread.ps.wire import Tensors
 from spread.ps.zmq_transport import CallContext, Message
@@ -143,6 +157,7 @@ class ClusterCoordinator:
         self._token = strategy.job_token
         self._rpc = rpc_module(getattr(strategy, "transport", DEFAULT_TRANSPORT))
         self._dataset_builders: list[Callable[[], Iterable[Any]] | Iterable[Any]] = []
+        self._script_modules = {"__main__"}  # where a worker looks up scheduled functions
         self._closed = False
         if self.role == "chief":
             self._lock = threading.Condition()
@@ -163,6 +178,10 @@ class ClusterCoordinator:
                 token=self._token,
                 address=self.chief_address,
             ).start()
+            self._at_exit = close_at_exit(
+                "the chief's ClusterCoordinator",
+                lambda failing: self._shutdown(wait_for_late_workers=not failing),
+            )
         elif self.role != "worker":
             raise SpreadError(f"ClusterCoordinator runs on the chief and worker tasks, not on a {self.role}")
 
@@ -180,11 +199,17 @@ class ClusterCoordinator:
     def schedule(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` to run on some worker; returns its :class:`RemoteValue` at once.
 
-        On a worker task this call serves the chief's tasks and ends the process when told to stop.
+        On a worker task this call serves the chief's tasks and ends the process when told to stop;
+        the chief may then name only functions of ``fn``'s module (or of the script).
         """
-        if self.role == "worker":
-            self._serve()
         reference = _function_reference(fn)
+        if self.role == "worker":
+            self._script_modules.add(reference[0])
+            self._serve()
+        return self._enqueue(reference, args, kwargs)
+
+    def _enqueue(self, reference: tuple[str, str], args: tuple, kwargs: dict | None) -> RemoteValue:
+        """Queue a task naming ``reference`` (checked by :meth:`schedule`, and again by the worker)."""
         tensors: Tensors = {}
         encoded = _encode((list(args), dict(kwargs or {})), tensors)
         with self._lock:
@@ -245,17 +270,40 @@ class ClusterCoordinator:
             }
 
     def shutdown(self) -> None:
-        """Tell connected workers to stop, stop serving, release every thread and socket. Idempotent."""
+        """Tell every worker to stop, stop serving, release every thread and socket. Idempotent.
+
+        A worker that never connected (it started late, after the others did all the work) is
+        waited for as long as a worker waits for the chief (the strategy's ``init_timeout``), so it
+        too is told to stop instead of waiting for a chief that is gone.
+        """
+        self._shutdown(wait_for_late_workers=True)
+
+    def _shutdown(self, *, wait_for_late_workers: bool) -> None:
         if self._closed or self.role != "chief":
             return
+        self._at_exit.cancel()
         with self._lock:
             self._closed = True
             self._stopping = True
             self._lock.notify_all()
-        deadline = time.monotonic() + 10.0
+        now = time.monotonic()
+        deadline = now + 10.0
+        late_deadline = now + (self.strategy.init_timeout if wait_for_late_workers else 0.0)
+        expected = range(1, self.strategy.cluster.world_size)  # the worker tasks' ranks
         with self._lock:
-            while self._inflight and time.monotonic() < deadline:  # let sessions say "stop" first
+            while True:  # let sessions say "stop" first, late workers included
+                now = time.monotonic()
+                never_connected = [rank for rank in expected if not self.sessions[rank]]
+                if not (self._inflight and now < deadline) and not (never_connected and now < late_deadline):
+                    break
                 self._lock.wait(_TICK)
+        if never_connected and wait_for_late_workers:
+            print(
+                f"spread: the chief's coordinator: worker(s) of rank(s) {never_connected} never connected "
+                f"within {self.strategy.init_timeout:g}s; stopping without them",
+                file=sys.stderr,
+                flush=True,
+            )
         self._server.stop()
 
     def __enter__(self) -> ClusterCoordinator:
@@ -395,7 +443,7 @@ class ClusterCoordinator:
         ok, error, result_meta, result_tensors = True, None, None, {}
         started = time.monotonic()
         try:
-            fn = _resolve_function(*meta["function"])
+            fn = _resolve_function(*meta["function"], modules=self._script_modules)
             args, kwargs = _decode(meta["args"], tensors, lambda i: self._iterator(i, iterators))
             strategy.task_step_id = str(meta["step_id"])
             try:
@@ -450,12 +498,20 @@ class _Cycle:
 # -- references and values on the wire ---------------------------------------------------------------
 def _function_reference(fn: Callable[..., Any]) -> tuple[str, str]:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module or "<" in qualname or _lookup(module, qualname) is not fn:
+    if not module or "<" in qualname or not _is_own_function(_lookup(module, qualname), module, qualname):
         raise ValueError(
-            f"schedule() needs a module-level function that workers can find by name; got {fn!r}. "
+            f"schedule() needs a module-level Python function that workers can find by name; got {fn!r}. "
             f"Define it at the top level of the script (workers run the same script)."
         )
+    if _lookup(module, qualname) is not fn:
+        raise ValueError(f"schedule() got {fn!r}, but {module}.{qualname} is another object")
     return module, qualname
+
+
+def _is_own_function(obj: Any, module: str, qualname: str) -> bool:
+    """A plain Python function defined where its name says (not a builtin, a class, or a function
+    of another module reached through an attribute or an import into this one)."""
+    return isinstance(obj, types.FunctionType) and obj.__module__ == module and obj.__qualname__ == qualname
 
 
 def _lookup(module: str, qualname: str) -> Any:
@@ -465,11 +521,17 @@ def _lookup(module: str, qualname: str) -> Any:
     return obj
 
 
-def _resolve_function(module: str, qualname: str) -> Callable[..., Any]:
-    """Only functions of modules this worker already imported: a name never causes an import."""
-    fn = _lookup(module, qualname)
-    if not callable(fn):
-        raise SpreadError(f"the chief scheduled {module}.{qualname}, which this worker does not have")
+def _resolve_function(module: str, qualname: str, *, modules: set[str]) -> Callable[..., Any]:
+    """The function the chief named, if it is one this worker may run: a plain Python function
+    defined in one of ``modules`` (the script's); a name never causes an import."""
+    module, qualname = str(module), str(qualname)
+    fn = _lookup(module, qualname) if module in modules and "<" not in qualname else None
+    if not _is_own_function(fn, module, qualname):
+        raise SpreadError(
+            f"the chief scheduled {module}.{qualname}, which this worker does not run: a worker runs only "
+            f"Python functions defined at the top level of its script's modules "
+            f"({', '.join(sorted(modules))})"
+        )
     return fn
 
 

@@ -53,6 +53,7 @@ class ParameterServer:
         self._pending: dict[int, dict[int, tuple[dict, Tensors]]] = {}
         self._clocks: dict[int, int] = {}
         self._done: set[int] = set()
+        self._failed: set[int] = set()  # training workers whose script ended with an error
         self._cond = threading.Condition()
         self._stop_requested = threading.Event()
         rpc = rpc_module(transport)
@@ -80,8 +81,7 @@ class ParameterServer:
     def serve_until_stopped(self) -> None:
         """Serve until a client calls ``stop`` (the chief, at the end of training)."""
         self._stop_requested.wait()
-        time.sleep(0.05)  # let the stop call's answer leave before connections close
-        self.rpc.stop()
+        self.rpc.stop()  # lets the stop call's own answer leave first
 
     def stop(self) -> None:
         self._stop_requested.set()
@@ -126,6 +126,7 @@ class ParameterServer:
         self._pending.clear()
         self._clocks.clear()
         self._done.clear()
+        self._failed.clear()
         self.restored_from = str(ledger.get("restored_from", ""))
 
     def _load_optimizer_state(self, tensors: Tensors) -> None:
@@ -308,6 +309,7 @@ class ParameterServer:
                 "duplicates": self.duplicates,
                 "version": self.version,
                 "done": sorted(self._done),
+                "failed": sorted(self._failed),
                 "variables": sorted(self.variables),
                 "restored_from": self.restored_from,
             }
@@ -318,6 +320,8 @@ class ParameterServer:
     def _worker_done(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
         with self._cond:
             self._done.add(int(meta["worker"]))
+            if meta.get("failed"):
+                self._failed.add(int(meta["worker"]))
             self._cond.notify_all()
             return {"done": sorted(self._done)}, {}
 

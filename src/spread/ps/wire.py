@@ -77,6 +77,17 @@ def encode(meta: Mapping[str, Any] | None = None, tensors: Mapping[str, torch.Te
     return b"".join(encode_parts(meta, tensors))
 
 
+def header_part(frame: bytes | bytearray | memoryview) -> memoryview:
+    """The frame's prefix and header (names, dtypes, shapes and meta: what an RPC session's MAC
+    covers); the whole buffer when it is too short to hold the header it declares."""
+    view = memoryview(frame).cast("B")
+    if view.nbytes >= _PREFIX.size:
+        end = _PREFIX.size + _PREFIX.unpack_from(view, 0)[1]
+        if end <= view.nbytes:
+            return view[:end]
+    return view
+
+
 def _fail(problem: str) -> WireFormatError:
     return WireFormatError(f"malformed frame: {problem}")
 

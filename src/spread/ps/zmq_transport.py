@@ -1,9 +1,9 @@
 """The RPC layer under the parameter servers and the coordinator, on ZeroMQ (``pyzmq``).
 
-Same public API and semantics as :mod:`spread.ps.transport` and :mod:`spread.ps.grpc_transport`, so
-the transport is chosen by name (:mod:`spread.ps.transports`). Why ZeroMQ: spread's rules ask for a
-well-kept network library, not a home-made stack, and ZeroMQ moves multipart messages without the
-copies that made gRPC's Python binding several times slower on 4 MB tensors.
+Same public API and semantics as :mod:`spread.ps.grpc_transport`, so the transport is chosen by
+name (:mod:`spread.ps.transports`). Why ZeroMQ: spread's rules ask for a well-kept network library,
+not a home-made stack, and ZeroMQ moves multipart messages without the copies that made gRPC's
+Python binding several times slower on 4 MB tensors.
 
 How it maps onto ZeroMQ:
 
@@ -15,12 +15,18 @@ How it maps onto ZeroMQ:
   (connection events tell "unreachable" and "connection lost" apart from a slow answer). A call that
   misses its deadline closes its socket, and every answer carries the request's random id, so a
   late answer can never be taken for the next call's.
-* A request is ``[kind, request id, method, proof, frame parts...]``: the :mod:`spread.ps.wire`
-  frame's header and each tensor's memory travel as separate parts, sent without copying. The proof
-  is ``HMAC(job token, fixed label)`` (the token itself never travels), compared in constant time
-  before the method or the frame is looked at; a wrong one is refused and counted.
-* An answer is ``[request id, status, body parts...]``. A stream answers ``STREAM_OPEN`` (so a
-  wrong token or an unreachable chief is reported by :meth:`RpcClient.stream`), then items, then
+* A connection opens a session (:mod:`spread.ps.rpc_api`): ``[HELLO, request id, client nonce]``
+  is answered ``[request id, WELCOME, session id, server nonce, server proof]``, and the client
+  checks the proof before it sends anything else. A request is then ``[kind, request id, method,
+  session id, sequence number, MAC, frame parts...]``: the :mod:`spread.ps.wire` frame's header and
+  each tensor's memory travel as separate parts, sent without copying; the MAC (over the envelope
+  and the header) is checked in constant time, and the sequence number accepted once, before the
+  method or the frame is looked at; a failed check is refused and counted.
+* An answer is ``[request id, status, MAC, body parts...]``, the MAC binding it to its request (and
+  a stream's item to its place in the stream); the client drops the call on an answer that fails
+  it. Refusals the server cannot tie to a session (``DENIED``, ``NO_SESSION``, a malformed
+  envelope) carry no MAC and only ever end a call. A stream answers ``STREAM_OPEN`` (so a wrong
+  token or an unreachable chief is reported by :meth:`RpcClient.stream`), then items, then
   ``STREAM_END``; the caller cancels with a ``CANCEL`` message naming the request id.
 * ``zmq.MAXMSGSIZE`` = ``max_frame_bytes``: ZeroMQ drops a connection whose next part declares more,
   before allocating it (the caller sees the connection dropped); a frame whose parts add up to more
@@ -32,7 +38,6 @@ started and terminates its ZeroMQ context.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import queue
@@ -47,27 +52,34 @@ import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from spread.errors import JobTokenError, RemoteCallError, WireFormatError
+from spread.errors import JobTokenError, RemoteCallError, SpreadError, WireFormatError
 from spread.ps.rpc_api import (
     DEFAULT_HOST,
+    ClientHandshake,
     Handler,
     Message,
     RequestRefused,
+    Session,
+    SessionRefused,
+    SessionTable,
     StreamHandler,
+    seq_bytes,
     split_address,
-    token_proof,
 )
 from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, decode_parts, encode_parts
 
-_PROOF_LABEL = b"zmq-message"
-CALL, STREAM, CANCEL = b"C", b"S", b"X"
-OK, REFUSED, INVALID, FAULT, DENIED, STREAM_OPEN, STREAM_ITEM, STREAM_END, HEARTBEAT = (
-    bytes([i]) for i in range(9)
+HELLO, CALL, STREAM, CANCEL = b"H", b"C", b"S", b"X"
+OK, REFUSED, INVALID, FAULT, DENIED, STREAM_OPEN, STREAM_ITEM, STREAM_END, HEARTBEAT, WELCOME, NO_SESSION = (
+    bytes([i]) for i in range(11)
 )
+_UNSIGNED = (DENIED, NO_SESSION)  # refusals not tied to a session: they can only end a call
+_REQUEST, _ANSWER = b"zmq-request", b"zmq-answer"  # MAC labels: a request never passes as an answer
 _MAX_CONCURRENT_CALLS = 256  # threads are made as calls need them; sync pushes block one each
 _MAX_PARTS = 4096  # a frame's header and tensors; more is refused before decoding
 _HEARTBEAT_MS = 10_000  # ZMTP heartbeats: notice a peer whose host died (no FIN ever comes)
 _PROBE_INTERVAL = 0.5  # at most one liveness probe per stream this often
+_DRAIN_SECONDS = 1.0  # stop() lets calls already being handled answer for this long
+_LINGER_MS = 1000  # and then lets their answers leave for this long
 _log = logging.getLogger(__name__)
 
 
@@ -75,8 +87,11 @@ def _endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _message_proof(token: str) -> bytes:
-    return token_proof(token, _PROOF_LABEL)
+def _first(parts: list[zmq.Frame] | list[bytes]) -> memoryview | bytes:
+    """The part a MAC covers besides the envelope: the frame header (or a refusal's text)."""
+    if not parts:
+        return b""
+    return parts[0].buffer if isinstance(parts[0], zmq.Frame) else parts[0]
 
 
 def _decode_body(parts: list[zmq.Frame] | list[bytes], max_tensor_bytes: int) -> tuple[Message, int]:
@@ -121,8 +136,10 @@ def _shared_context() -> zmq.Context:
 class CallContext:
     """What a streaming handler may ask about its call: is the caller still connected?"""
 
-    def __init__(self, server: RpcServer, identity: bytes, rid: bytes) -> None:
+    def __init__(self, server: RpcServer, identity: bytes, rid: bytes, session: Session) -> None:
         self._server, self._identity, self._rid = server, identity, rid
+        self._session = session
+        self._index = 0  # the place of the next answer in this stream (bound by its MAC)
         self._callbacks: list[Callable[[], None]] = []
         self._gone = False  # the caller cancelled, or its connection is gone
         self._last_probe = 0.0
@@ -158,7 +175,8 @@ class RpcServer:
             :class:`RequestRefused` (the caller gets the message) or any other exception (a fault;
             the caller gets its type and message, the server keeps serving).
         stream_handlers: methods answering with a sequence of messages (a generator).
-        token: the job token; messages that cannot prove it are refused before anything else.
+        token: the job token; requests outside a session that proved it are refused before anything
+            else (:mod:`spread.ps.rpc_api`).
         address: ``host:port`` to bind; default ``127.0.0.1`` on a free port.
         max_frame_bytes: the largest request accepted.
     """
@@ -174,12 +192,14 @@ class RpcServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.name = name
-        self._proof = _message_proof(token)
+        self._sessions = SessionTable(token)
         self._handlers = dict(handlers)
         self._streams = dict(stream_handlers or {})
         self._max_frame_bytes = max_frame_bytes
         self.refused_connections = 0
         self._stopping = threading.Event()
+        self._busy = 0  # unary calls being handled (their answers are awaited by stop())
+        self._idle = threading.Condition(threading.Lock())
         self._contexts: dict[bytes, CallContext] = {}  # open streams by request id
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[tuple[list[Any], CallContext | None]] = queue.SimpleQueue()
@@ -217,12 +237,21 @@ class RpcServer:
         return self._stopping.wait(timeout)
 
     def stop(self) -> None:
-        """End every call, close the port, join every thread this server started, end the context."""
+        """End every call, close the port, join every thread this server started, end the context.
+
+        Calls already being handled get ``_DRAIN_SECONDS`` to answer, and every answer produced
+        gets ``_LINGER_MS`` to leave (a ``stop`` call's own answer, a stream's last item).
+        """
         if self._stopping.is_set():
             return
+        inside = threading.current_thread()
+        if not inside.name.startswith(self._pool_prefix):
+            deadline = time.monotonic() + _DRAIN_SECONDS
+            with self._idle:
+                while self._busy and time.monotonic() < deadline:
+                    self._idle.wait(max(0.0, deadline - time.monotonic()))
         self._stopping.set()
         self._wake()
-        inside = threading.current_thread()
         if self._io.is_alive() and self._io is not inside:
             self._io.join()
         elif not self._io.is_alive() and not self._io.ident:
@@ -267,7 +296,9 @@ class RpcServer:
                 contexts = list(self._contexts.values())
             for ctx in contexts:
                 ctx._gone = True
-            self._router.close(0)
+            self._flush()
+            self._router.setsockopt(zmq.LINGER, _LINGER_MS)
+            self._router.close()
 
     def _flush(self) -> None:
         while True:
@@ -284,20 +315,30 @@ class RpcServer:
                     _log.warning("%s: could not send an answer: %s", self.name, exc)
 
     def _receive(self, parts: list[zmq.Frame]) -> None:
-        if len(parts) < 5 or len(parts) > _MAX_PARTS + 5:
-            if len(parts) >= 3:
-                self._answer(parts[0].bytes, parts[2].bytes, INVALID, f"{self.name}: malformed request")
+        identity = parts[0].bytes
+        if len(parts) < 3:  # no request id to answer to: answer to none
+            self._refuse(identity, b"", INVALID, f"{self.name}: malformed request ({len(parts) - 1} part(s))")
             return
-        identity, kind, rid, method, proof = (p.bytes for p in parts[:5])
-        if not hmac.compare_digest(proof, self._proof):
-            with self._lock:
-                self.refused_connections += 1
-            self._answer(
+        kind, rid = parts[1].bytes, parts[2].bytes
+        if kind == HELLO:
+            self._hello(identity, rid, parts[3:])
+            return
+        if kind not in (CALL, STREAM, CANCEL) or len(parts) < 7 or len(parts) > _MAX_PARTS + 7:
+            self._refuse(identity, rid, INVALID, f"{self.name}: malformed request")
+            return
+        method, session_id, seq, mac = (p.bytes for p in parts[3:7])
+        body = parts[7:]
+        try:
+            session = self._sessions.verify(session_id, seq, mac, _REQUEST, kind, rid, method, _first(body))
+        except SessionRefused as exc:
+            if not exc.unknown:
+                with self._lock:
+                    self.refused_connections += 1
+            self._refuse(
                 identity,
                 rid,
-                DENIED,
-                f"{self.name} refused the connection: "
-                "the caller's SPREAD_JOB_TOKEN does not match this job's",
+                NO_SESSION if exc.unknown else DENIED,
+                f"{self.name} refused the request: {exc}",
             )
             return
         if kind == CANCEL:
@@ -306,7 +347,6 @@ class RpcServer:
             if ctx is not None:
                 ctx._gone = True
             return
-        body = parts[5:]
         size = sum(len(p) for p in body)
         if size > self._max_frame_bytes:
             self._answer(
@@ -314,72 +354,122 @@ class RpcServer:
                 rid,
                 INVALID,
                 f"{self.name}: frame over the size limit: {size} bytes, over {self._max_frame_bytes}",
+                session,
             )
             return
         name = method.decode("utf-8", "replace")
         if kind == STREAM and name in self._streams:
-            ctx = CallContext(self, identity, rid)
+            ctx = CallContext(self, identity, rid, session)
             with self._lock:
                 self._contexts[rid] = ctx
             self._executor.submit(self._serve_stream, ctx, name, body)
         else:
-            self._executor.submit(self._serve_unary, identity, rid, name, body)
+            with self._idle:
+                self._busy += 1
+            self._executor.submit(self._serve_unary, identity, rid, name, body, session)
+
+    def _hello(self, identity: bytes, rid: bytes, parts: list[zmq.Frame]) -> None:
+        """Open a session: prove the token to the caller, who proves it back in every request."""
+        if len(parts) != 1:
+            self._refuse(identity, rid, INVALID, f"{self.name}: malformed handshake")
+            return
+        try:
+            session_id, nonce, proof = self._sessions.hello(parts[0].bytes)
+        except SessionRefused as exc:
+            self._refuse(identity, rid, INVALID, f"{self.name}: malformed handshake: {exc}")
+            return
+        self._send([identity, rid, WELCOME, session_id, nonce, proof])
 
     # -- handlers (pool threads) -------------------------------------------------------------------
-    def _answer(self, identity: bytes, rid: bytes, status: bytes, text: str) -> None:
-        self._send([identity, rid, status, text.encode()])
+    def _refuse(self, identity: bytes, rid: bytes, status: bytes, text: str) -> None:
+        """An answer outside any session (no MAC): it can only make the caller give up the call."""
+        self._send([identity, rid, status, b"", text.encode()])
 
-    def _answer_frame(self, identity: bytes, rid: bytes, status: bytes, message: Message) -> None:
-        self._send([identity, rid, status, *encode_parts(*message)])
+    def _answer(
+        self, identity: bytes, rid: bytes, status: bytes, text: str, session: Session, index: int = 0
+    ) -> None:
+        self._signed(identity, rid, status, [text.encode()], session, index)
 
-    def _decode(self, identity: bytes, rid: bytes, body: list[zmq.Frame]) -> Message | None:
+    def _answer_frame(
+        self, identity: bytes, rid: bytes, status: bytes, message: Message, session: Session, index: int = 0
+    ) -> None:
+        self._signed(identity, rid, status, encode_parts(*message), session, index)
+
+    def _signed(
+        self, identity: bytes, rid: bytes, status: bytes, body: list[Any], session: Session, index: int
+    ) -> None:
+        mac = session.mac(_ANSWER, rid, status, seq_bytes(index), _first(body))
+        self._send([identity, rid, status, mac, *body])
+
+    def _decode(self, identity: bytes, rid: bytes, body: list[zmq.Frame], session: Session) -> Message | None:
         try:
             return _decode_body(body, self._max_frame_bytes)[0]
         except WireFormatError as exc:
-            self._answer(identity, rid, INVALID, f"{self.name}: {exc}")
+            self._answer(identity, rid, INVALID, f"{self.name}: {exc}", session)
             return None
 
-    def _serve_unary(self, identity: bytes, rid: bytes, method: str, body: list[zmq.Frame]) -> None:
-        request = self._decode(identity, rid, body)
+    def _serve_unary(
+        self, identity: bytes, rid: bytes, method: str, body: list[zmq.Frame], session: Session
+    ) -> None:
+        try:
+            self._handle_unary(identity, rid, method, body, session)
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def _handle_unary(
+        self, identity: bytes, rid: bytes, method: str, body: list[zmq.Frame], session: Session
+    ) -> None:
+        request = self._decode(identity, rid, body, session)
         if request is None:
             return
         handler = self._handlers.get(method)
         if handler is None:
-            self._answer(identity, rid, REFUSED, f"{self.name}: unknown method {method!r}")
+            self._answer(identity, rid, REFUSED, f"{self.name}: unknown method {method!r}", session)
             return
         try:
             answer = handler(*request)
         except RequestRefused as exc:
-            self._answer(identity, rid, REFUSED, f"{self.name}: {exc}")
+            self._answer(identity, rid, REFUSED, f"{self.name}: {exc}", session)
             return
         except Exception as exc:
             _log.exception("%s: %s failed", self.name, method)
-            self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}")
+            self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}", session)
             return
         try:
-            self._answer_frame(identity, rid, OK, answer)
+            self._answer_frame(identity, rid, OK, answer, session)
         except Exception as exc:  # an answer the wire format cannot carry
-            self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}")
+            self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}", session)
 
     def _serve_stream(self, ctx: CallContext, method: str, body: list[zmq.Frame]) -> None:
-        identity, rid = ctx._identity, ctx._rid
+        identity, rid, session = ctx._identity, ctx._rid, ctx._session
+
+        def send(status: bytes, message: Message | None = None, text: str | None = None) -> None:
+            if text is not None:
+                self._answer(identity, rid, status, text, session, ctx._index)
+            else:
+                self._answer_frame(identity, rid, status, message or ({}, {}), session, ctx._index)
+            ctx._index += 1
+
         try:
-            request = self._decode(identity, rid, body)
+            request = self._decode(identity, rid, body, session)
             if request is None:
                 return
-            self._send([identity, rid, STREAM_OPEN])
+            send(STREAM_OPEN)
             messages = self._streams[method](*request, ctx)
             try:
                 for message in messages:
                     if not ctx.is_active():
                         return  # the caller left: do not run the handler any further
-                    self._answer_frame(identity, rid, STREAM_ITEM, message)
-                self._send([identity, rid, STREAM_END])
+                    send(STREAM_ITEM, message)
+                if not self._stopping.is_set():  # else the caller sees the connection go, not an end
+                    send(STREAM_END)
             except RequestRefused as exc:
-                self._answer(identity, rid, REFUSED, f"{self.name}: {exc}")
+                send(REFUSED, text=f"{self.name}: {exc}")
             except Exception as exc:
                 _log.exception("%s: stream %s failed", self.name, method)
-                self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}")
+                send(FAULT, text=f"{self.name}: {type(exc).__name__}: {exc}")
             finally:
                 messages.close()
         finally:
@@ -416,6 +506,7 @@ class _Connection:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.connected = False
         self.lost = False  # connected once, then disconnected: never reused
+        self.session: Session | None = None  # opened by the first call on this connection
 
     def events(self) -> list[int]:
         """Connection events since the last look (updating :attr:`connected` and :attr:`lost`)."""
@@ -478,7 +569,7 @@ class RpcClient:
     Args:
         address: the server's ``host:port``.
         peer: how errors name the server (``"parameter server 1 (10.0.0.2:2222)"``).
-        token: the job token (proved in each message, never sent).
+        token: the job token (proved in each request, and required of the server; never sent).
         timeout: default deadline of a call, in seconds.
         error_type: the :class:`RemoteCallError` subclass raised for failed calls.
         max_frame_bytes: the largest answer accepted.
@@ -500,7 +591,7 @@ class RpcClient:
         host, port = split_address(address)
         self._endpoint = _endpoint(host, port)
         self._ipv6 = ":" in host
-        self._proof = _message_proof(token)
+        self._token = token
         self._error_type = error_type
         self._max_frame_bytes = max_frame_bytes
         self._lock = threading.Lock()
@@ -533,10 +624,59 @@ class RpcClient:
                 return
         conn.close()
 
+    def _open_session(self, conn: _Connection, deadline: float, op: str) -> Session:
+        """The handshake on a new connection: nothing is sent to a server that cannot prove the token."""
+        if conn.session is not None:
+            return conn.session
+        handshake = ClientHandshake(self._token)
+        rid = secrets.token_bytes(8)
+        conn.socket.send_multipart([HELLO, rid, handshake.nonce])
+        answer = conn.receive(rid, deadline)
+        if answer is None:
+            raise self._error_type(self.peer, op, "no answer to the handshake before the deadline")
+        session = None
+        if answer[0].bytes == WELCOME and len(answer) == 4:
+            session = handshake.finish(*(p.buffer for p in answer[1:]))
+        if session is None:
+            raise JobTokenError(
+                f"{self.peer}: {op} refused: its SPREAD_JOB_TOKEN does not match this job's: it could not "
+                f"prove the token (another job's server, or a process impersonating it at {self.address}); "
+                f"nothing was sent to it"
+            )
+        conn.session = session
+        return session
+
     def _send(self, conn: _Connection, kind: bytes, rid: bytes, method: str, meta: Any, tensors: Any) -> None:
+        session = conn.session
+        assert session is not None
         parts = encode_parts(meta, tensors)
-        conn.socket.send_multipart([kind, rid, method.encode(), self._proof, *parts], copy=False)
+        name = method.encode()
+        seq = seq_bytes(session.next_seq())
+        mac = session.mac(_REQUEST, seq, kind, rid, name, _first(parts))
+        conn.socket.send_multipart([kind, rid, name, session.session_id, seq, mac, *parts], copy=False)
         self._count(sum(len(p) for p in parts), 0)
+
+    def _open_answer(
+        self, conn: _Connection, rid: bytes, answer: list[zmq.Frame], index: int, op: str
+    ) -> tuple[bytes, list[zmq.Frame]]:
+        """``(status, body)`` of an answer that proves it belongs to this call (and to this place in a
+        stream); an unsigned one only when it ends the call (a refusal outside the session)."""
+        status = answer[0].bytes
+        if status in _UNSIGNED and len(answer) >= 2:
+            return status, answer[2:]
+        session = conn.session
+        if (
+            session is None
+            or len(answer) < 2
+            or not session.verify(
+                answer[1].buffer, _ANSWER, rid, status, seq_bytes(index), _first(answer[2:])
+            )
+        ):
+            raise JobTokenError(
+                f"{self.peer}: {op} refused: an answer did not prove this job's SPREAD_JOB_TOKEN (a forged "
+                f"or replayed message from {self.address}); the call was abandoned"
+            )
+        return status, answer[2:]
 
     def _raise_for(self, status: bytes, body: list[zmq.Frame], op: str) -> None:
         text = _text(body)
@@ -564,42 +704,63 @@ class RpcClient:
 
         ``wait_for_ready`` keeps trying to connect (within the deadline) to a server that has not
         started yet, instead of failing at once. Raises :class:`JobTokenError` when the server
-        refuses this job token, :class:`WireFormatError` when it refuses the frame, and the
-        client's ``error_type`` (naming the peer and ``method``) for everything else.
+        refuses this job token or cannot prove it, :class:`WireFormatError` when it refuses the
+        frame, and the client's ``error_type`` (naming the peer and ``method``) for everything else.
         """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
+        for attempt in range(2):  # a second time only if the server had forgotten the session
+            status, body = self._call_once(method, meta, tensors, budget, deadline, wait_for_ready)
+            if status != NO_SESSION or attempt:
+                break
+        if status != OK:
+            self._raise_for(status, body, method)
+        return self._decode(body)
+
+    def _call_once(
+        self,
+        method: str,
+        meta: Mapping[str, Any] | None,
+        tensors: Mapping[str, torch.Tensor] | None,
+        budget: float,
+        deadline: float,
+        wait_for_ready: bool,
+    ) -> tuple[bytes, list[zmq.Frame]]:
         conn = self._take(method)
         answer = None
         try:
             if not conn.wait_connected(deadline, wait_for_ready):
                 what = "not reachable or no answer" if wait_for_ready else "not reachable"
                 raise self._error_type(self.peer, method, f"{what} within {budget:g}s")
+            self._open_session(conn, deadline, method)
             rid = secrets.token_bytes(8)
             self._send(conn, CALL, rid, method, meta, tensors)
             answer = conn.receive(rid, deadline)
             if answer is None:
                 raise self._error_type(self.peer, method, f"no answer within {budget:g}s")
+            status, body = self._open_answer(conn, rid, answer, 0, method)
+            if status == NO_SESSION:
+                conn.session = None  # the server forgot it (or restarted): open another
+            return status, body
         except _Lost as exc:
             raise self._error_type(self.peer, method, str(exc)) from None
+        except JobTokenError:
+            answer = None  # nothing more is taken from this connection
+            raise
         finally:
             if answer is None:
                 conn.close()  # a late answer must not meet the next call
             else:
                 self._give_back(conn)
-        status, body = answer[0].bytes, answer[1:]
-        if status != OK:
-            self._raise_for(status, body, method)
-        return self._decode(body)
 
     def stream(
         self, method: str, meta: Mapping[str, Any] | None = None, *, connect_timeout: float | None = None
     ) -> Stream:
         """Open a streaming call (it waits for the server to start, within ``connect_timeout``).
 
-        The server's first answer says the stream is open, so an unreachable server or a wrong
-        token is reported here; the stream itself has no deadline (it lasts as long as the server
-        keeps answering).
+        The handshake and the server's first answer come first, so an unreachable server, a wrong
+        token or an impostor is reported here; the stream itself has no deadline (it lasts as long
+        as the server keeps answering).
         """
         budget = self.timeout if connect_timeout is None else connect_timeout
         deadline = time.monotonic() + budget
@@ -611,12 +772,14 @@ class RpcClient:
         try:
             if not conn.wait_connected(deadline, wait_for_ready=True):
                 raise self._error_type(self.peer, method, f"not reachable within {budget:g}s")
+            self._open_session(conn, deadline, method)
             self._send(conn, STREAM, rid, method, meta, None)
             answer = conn.receive(rid, deadline)
             if answer is None:
                 raise self._error_type(self.peer, method, f"not reachable or no answer within {budget:g}s")
-            if answer[0].bytes != STREAM_OPEN:
-                self._raise_for(answer[0].bytes, answer[1:], method)
+            status, body = self._open_answer(conn, rid, answer, 0, method)
+            if status != STREAM_OPEN:
+                self._raise_for(status, body, method)
         except _Lost as exc:
             conn.close()
             raise self._error_type(self.peer, method, str(exc)) from None
@@ -631,8 +794,14 @@ class RpcClient:
             conn = self._take("cancel")
         except RemoteCallError:
             return
-        if conn.wait_connected(time.monotonic() + 1.0, wait_for_ready=False):
-            conn.socket.send_multipart([CANCEL, rid, b"", self._proof])
+        deadline = time.monotonic() + 1.0
+        try:
+            if conn.wait_connected(deadline, wait_for_ready=False):
+                self._open_session(conn, deadline, "cancel")
+                self._send(conn, CANCEL, rid, "", None, None)
+        except (SpreadError, _Lost):
+            conn.close()  # the server is gone or unproven: the stream ends with it anyway
+            return
         self._give_back(conn)
 
     def close(self) -> None:
@@ -650,6 +819,7 @@ class Stream:
         self._client, self._op, self._conn, self._rid = client, op, conn, rid
         self._cancelled = False
         self._finished = False
+        self._index = 1  # STREAM_OPEN was answer 0
 
     def __iter__(self) -> Iterator[Message]:
         client = self._client
@@ -665,9 +835,10 @@ class Stream:
                     if client._closed:
                         return
                     continue  # wake up now and then to see a cancel from another thread
-                status, body = answer[0].bytes, answer[1:]
-                if status == HEARTBEAT:
-                    continue
+                if answer[0].bytes == HEARTBEAT:
+                    continue  # a liveness probe: carries nothing
+                status, body = client._open_answer(self._conn, self._rid, answer, self._index, self._op)
+                self._index += 1
                 if status == STREAM_END:
                     self._finished = True
                     return

@@ -24,13 +24,20 @@ Data: ``distribute_dataset`` splits each global batch over the training tasks in
 task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
 ``reduce`` and ``gather`` are local: training tasks never wait for each other, so logs (and
 ``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) stay local.
+
+Ending: like TensorFlow's, scripts need not call :meth:`close`. A strategy still open when the
+script ends is closed then (:mod:`spread.ps.at_exit`, before Python shuts its thread pools down):
+a worker tells the servers it is done (or that it failed, when the script raised), and the chief
+waits for every training task, then stops the servers, so the whole job ends by itself. A chief
+whose script raised does not wait: it stops the servers at once, and the workers' next calls fail
+naming them.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +52,7 @@ from spread.checkpoint import CheckpointManager
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.data import ReplicaLayout
 from spread.errors import ParameterServerError, SpreadError
+from spread.ps.at_exit import close_at_exit
 from spread.ps.client import DEFAULT_TIMEOUT, PSClient
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
@@ -149,8 +157,10 @@ class ParameterServerStrategy(Strategy):
         self.task_step_id: str | None = None  # set by the coordinator around a scheduled task
         self.wait_for_workers_on_close = True
         self._weight = 1.0
+        self._failing = False  # the script is ending with an uncaught exception
         self._step_hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
-        atexit.register(self.close)
+        task = f"{self.cluster.role} {self.cluster.task_index}"
+        self._at_exit = close_at_exit(f"{task}: ParameterServerStrategy", self._close_at_exit)
 
     # -- topology ----------------------------------------------------------------------------------
     @property
@@ -503,26 +513,49 @@ class ParameterServerStrategy(Strategy):
         while not all(len(d) >= self.num_workers for d in done):
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.num_workers)) - set(done[0]))
-                raise SpreadError(f"rank {self.rank}: worker(s) {missing} did not finish within {budget:g}s")
+                raise SpreadError(
+                    f"rank {self.rank}: training task(s) of rank(s) {missing} did not finish within "
+                    f"{budget:g}s (a task that died without closing never says it finished)"
+                )
             time.sleep(0.1)
             done = [s["done"] for s in self.client.stats()]
+        failed = sorted({w for s in self.client.stats() for w in s.get("failed", [])})
+        if failed:
+            print(
+                f"spread: rank {self.rank}: training task(s) of rank(s) {failed} ended with an error",
+                file=sys.stderr,
+                flush=True,
+            )
         self.pull()
 
+    def _close_at_exit(self, failing: bool) -> None:
+        self._failing = failing
+        self.close()
+
     def close(self) -> None:
-        """Finish: tell the servers this task is done; the chief waits for the others, then stops them."""
+        """Finish: tell the servers this task is done; the chief waits for the others, then stops them.
+
+        The chief stops the servers even when waiting fails (a task that died never says it is
+        done), then raises that error: servers are never left serving.
+        """
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        self._at_exit.cancel()
         self._step_hook.remove()
         for hook in self._hooks:
             hook.remove()
+        waiting_failed: SpreadError | None = None
         try:
-            if self.rank >= 0:
-                if self.is_chief and self.wait_for_workers_on_close:
+            if self.rank >= 0 and not self.is_chief:
+                self.client.done(self.rank, failed=self._failing)
+            elif self.is_chief and self.wait_for_workers_on_close and not self._failing:
+                try:
                     self.wait_for_workers()
-                elif not self.is_chief:
-                    self.client.done(self.rank)
+                except ParameterServerError:
+                    raise
+                except SpreadError as exc:
+                    waiting_failed = exc
             if self.is_chief:
                 self.client.stop()
         except ParameterServerError:
@@ -530,6 +563,8 @@ class ParameterServerStrategy(Strategy):
         finally:
             self.client.close()
             super().close()
+        if waiting_failed is not None:
+            raise waiting_failed
 
 
 def _row_gradient(grad: torch.Tensor, touched: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

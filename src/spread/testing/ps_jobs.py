@@ -1,4 +1,5 @@
-"""Parameter-server jobs for tests: a TF_CONFIG per process, run through :func:`launch_ranks`.
+"""Parameter-server jobs for tests: a TF_CONFIG per process, run through :func:`launch_ranks`, or
+a whole script run as one process per task (:func:`run_ps_script`, as a user starts one by hand).
 
 Ranks ``0..W-1`` are the training tasks (chief, then workers), the next ``P`` ranks the servers.
 """
@@ -7,8 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
 import socket
-from collections.abc import Callable
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from spread.cluster import ClusterSpec
@@ -114,3 +123,91 @@ def _entry(fn: Callable[..., Any], args: tuple) -> Any:
         if exc.code not in (0, None):
             raise
         return "exited 0"
+
+
+@dataclass
+class TaskRun:
+    """How one task's process of :func:`run_ps_script` ended."""
+
+    role: str
+    index: int
+    pid: int
+    returncode: int | None  # None: still running at the deadline (then killed)
+    seconds: float  # from the job's start to this process's exit (or the deadline)
+    stdout: str
+    stderr: str
+
+    @property
+    def task(self) -> str:
+        return f"{self.role} {self.index}"
+
+    def describe(self) -> str:
+        state = "still running at the deadline" if self.returncode is None else f"exit {self.returncode}"
+        return f"{self.task} (pid {self.pid}): {state} after {self.seconds:.1f}s\n{self.stderr[-3000:]}"
+
+
+def run_ps_script(
+    script: str | Path,
+    num_workers: int,
+    num_ps: int,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+) -> list[TaskRun]:
+    """Run ``script`` as a whole parameter-server job, one ``python script`` process per task, each
+    with its ``TF_CONFIG`` and a shared fresh ``SPREAD_JOB_TOKEN``, and nothing else: no launcher
+    stops anyone, so the job must end by itself. Processes still running at ``timeout`` (or when
+    this function is interrupted) are killed with their process groups and reported with
+    ``returncode=None``. Returns every task's run in
+    rank order (chief, workers, servers)."""
+    envs = ps_job_env(num_workers, num_ps)
+    token = secrets.token_hex(16)
+    procs: list[tuple[str, int, subprocess.Popen]] = []
+    ended: dict[int, float] = {}
+    with tempfile.TemporaryDirectory(prefix="spread-ps-script-") as logs:
+        start = time.monotonic()
+        try:
+            for rank, rank_env in envs.items():
+                task = json.loads(rank_env["TF_CONFIG"])["task"]
+                with open(Path(logs, f"{rank}.out"), "w") as out, open(Path(logs, f"{rank}.err"), "w") as err:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-u", str(script), *args],
+                        env={**os.environ, **(env or {}), **rank_env, "SPREAD_JOB_TOKEN": token},
+                        stdout=out,
+                        stderr=err,
+                        # Its own session: killed with its helpers below. No preexec_fn (it would make
+                        # this a plain fork: in a process that loaded gRPC, gRPC's fork handlers
+                        # restart a poller thread in the child, whose epoll descriptor close_fds then
+                        # closes, and the child aborts before it runs).
+                        start_new_session=True,
+                    )
+                procs.append((task["type"], int(task["index"]), proc))
+            deadline = start + timeout
+            while len(ended) < len(procs) and time.monotonic() < deadline:
+                for i, (_, _, proc) in enumerate(procs):
+                    if i not in ended and proc.poll() is not None:
+                        ended[i] = time.monotonic() - start
+                time.sleep(0.05)
+        finally:
+            for i, (_, _, proc) in enumerate(procs):
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    proc.wait(10)
+                elif i not in ended:
+                    ended[i] = time.monotonic() - start
+        return [
+            TaskRun(
+                role,
+                index,
+                proc.pid,
+                proc.returncode if i in ended else None,
+                ended.get(i, timeout),
+                Path(logs, f"{i}.out").read_text(errors="replace"),
+                Path(logs, f"{i}.err").read_text(errors="replace"),
+            )
+            for i, (role, index, proc) in enumerate(procs)
+        ]
