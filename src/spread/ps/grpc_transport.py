@@ -1,7 +1,7 @@
 """The RPC layer under the parameter servers and the coordinator, on gRPC (``grpcio``).
 
-Same public API and semantics as :mod:`spread.ps.transport` (the framed-TCP version), so a user
-switches by changing the import. Why gRPC: spread's rules ask for a well-kept RPC layer, not a
+Same public API and semantics as :mod:`spread.ps.zmq_transport`, so the transport is chosen by
+name (:mod:`spread.ps.transports`). Why gRPC: spread's rules ask for a well-kept RPC layer, not a
 home-made network stack, and ``torch.distributed.rpc`` unpickles network bytes (forbidden).
 
 How it maps onto gRPC, without protobuf code generation:

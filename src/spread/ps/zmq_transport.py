@@ -1,9 +1,9 @@
 """The RPC layer under the parameter servers and the coordinator, on ZeroMQ (``pyzmq``).
 
-Same public API and semantics as :mod:`spread.ps.transport` and :mod:`spread.ps.grpc_transport`, so
-the transport is chosen by name (:mod:`spread.ps.transports`). Why ZeroMQ: spread's rules ask for a
-well-kept network library, not a home-made stack, and ZeroMQ moves multipart messages without the
-copies that made gRPC's Python binding several times slower on 4 MB tensors.
+Same public API and semantics as :mod:`spread.ps.grpc_transport`, so the transport is chosen by
+name (:mod:`spread.ps.transports`). Why ZeroMQ: spread's rules ask for a well-kept network library,
+not a home-made stack, and ZeroMQ moves multipart messages without the copies that made gRPC's
+Python binding several times slower on 4 MB tensors.
 
 How it maps onto ZeroMQ:
 
