@@ -33,7 +33,7 @@ _EXPORTS = {
     "get_replica_context": "spread.strategies",
     "get_strategy": "spread.strategies",
     "Trainer": "spread.train",
-    "callbacks": "spread.train.callbacks",
+    "callbacks": "spread.callbacks",
     "ClusterSpec": "spread.cluster",
     "resolve_cluster": "spread.cluster",
     "errors": "spread.errors",
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from spread import errors
+    from spread import callbacks, errors
     from spread.cluster import ClusterSpec, resolve_cluster
     from spread.ps import ClusterCoordinator
     from spread.strategies import (
@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
         get_replica_context,
         get_strategy,
     )
-    from spread.train import Trainer, callbacks
+    from spread.train import Trainer
 
 
 def __getattr__(name: str) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,13 @@ def _plan(*args: str, cwd: Path | None = None, env: dict | None = None) -> subpr
         cwd=cwd,
         env=env,
     )
+
+
+def _env_with_path(directory: Path) -> dict[str, str]:
+    """This environment with ``directory`` first on PYTHONPATH; the rest is kept, made absolute (the
+    command runs elsewhere), since it may name the spread under test."""
+    kept = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(directory), *kept])}
 
 
 def test_digits_end_to_end_json(tmp_path):
@@ -93,9 +101,30 @@ def test_script_without_fit_and_factory(tmp_path):
             """
         )
     )
-    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    env = _env_with_path(tmp_path)
     result = _plan("--model", "factory:make", "--devices", "2", "--json", cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["predictions"]
     both = _plan(str(script), "--model", "factory:make", cwd=tmp_path, env=env)
     assert both.returncode == 2 and "one of them" in both.stderr
+
+
+def test_factory_name_is_printed_as_written(tmp_path):
+    # rich would print "plan_cnn:factory" as "plan_cnn🏭" (":factory:" is an emoji code) if it parsed it.
+    (tmp_path / "plan_cnn.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def factory():
+                model = nn.Sequential(nn.Linear(8, 4))
+                return model, nn.CrossEntropyLoss(), torch.randn(16, 8), torch.randint(0, 4, (16,))
+            """
+        )
+    )
+    env = _env_with_path(tmp_path)
+    result = _plan("--model", "plan_cnn:factory", "--devices", "2", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "model plan_cnn:factory: " in result.stdout
+    assert "🏭" not in result.stdout

@@ -58,22 +58,25 @@ def render(plan: Plan, profile: ModelProfile) -> str:
             no_wrap=header != "why",
         )
     for row in table_rows(plan):
-        table.add_row(*(Text(cell) for cell in row))  # labels like "[shm]" are text, not rich markup
-    console = Console(width=160, record=True, file=io.StringIO())
+        table.add_row(*(Text(cell) for cell in row))
+    # Model names, file paths, labels and reasons come from the user: "plan_cnn:factory" must not
+    # become an emoji, nor "[shm]" markup. Every string goes in as Text (never parsed), and the console
+    # parses nothing either, so a line added later cannot bring the problem back.
+    console = Console(width=160, record=True, file=io.StringIO(), markup=False, emoji=False, highlight=False)
     activations = profile.activation_bytes_per_sample / 1e3
-    console.print(
-        f"model {profile.name}: {profile.param_bytes / 1e6:.2f} MB of parameters "
-        f"({profile.sparse_bytes / 1e6:.2f} MB in embeddings), {activations:.1f} KB "
-        f"of activations per sample; global batch {plan.options.global_batch}"
-    )
     memory = cluster.memory_per_device
     memory_text = "unbounded memory" if math.isinf(memory) else f"{memory / GIB:.1f} GiB"
-    console.print(
+    lines = [
+        f"model {profile.name}: {profile.param_bytes / 1e6:.2f} MB of parameters "
+        f"({profile.sparse_bytes / 1e6:.2f} MB in embeddings), {activations:.1f} KB "
+        f"of activations per sample; global batch {plan.options.global_batch}",
         f"cluster: {cluster.nodes} node(s) x {cluster.devices_per_node} device(s), "
-        f"{memory_text} per device, from {cluster.source}"
-    )
+        f"{memory_text} per device, from {cluster.source}",
+    ]
+    for line in lines:
+        console.print(Text(line))
     console.print(table)
-    console.print(f"recommended: {plan.recommended.candidate.label}: {plan.reason}")
+    console.print(Text(f"recommended: {plan.recommended.candidate.label}: {plan.reason}"))
     return console.export_text()
 
 
@@ -137,7 +140,8 @@ def plot(plan: Plan, profile: ModelProfile, max_devices: int, path: str) -> str:
     ax.set_yscale("log")
     ax.set_xlabel("devices")
     ax.set_ylabel("predicted samples/s")
-    ax.set_title(f"spread plan: {profile.name}, {per_device} samples per device")
+    # parse_math=False: a "$" in a user's model name is text, not mathtext
+    ax.set_title(f"spread plan: {profile.name}, {per_device} samples per device", parse_math=False)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
