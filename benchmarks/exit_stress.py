@@ -10,8 +10,9 @@ change in the machine's load hits every case alike.
 Cases: each example in ``examples/`` with the arguments ``tests/`` runs it with (fewer epochs: the
 exit path does not depend on them), the two scripts the issue reported (a 2-stage GPipe
 ``Trainer.fit`` of a 7-layer MLP and the README's MultiWorkerMirrored example, neither calling
-``strategy.close()``), and two failure endings whose exit code must be the script's: ``sys.exit(3)``
-mid-fit on every rank, and an exception on rank 1 (exit code 1).
+``strategy.close()``), two failure endings whose exit code must be the script's: ``sys.exit(3)``
+mid-fit on every rank, and an exception on rank 1 (exit code 1), and a plain torch.distributed
+script in nanoGPT's style, under ``spread run`` and, as the reference, under torchrun.
 
     python benchmarks/exit_stress.py                        # 50 runs of every case
     python benchmarks/exit_stress.py --runs 5 --cases custom_loop,issue16_pipeline_noclose
@@ -38,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPREAD = Path(sys.executable).parent / "spread"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 ABORT_MARKERS = (
     "terminate called",
     "Fatal Python error",
@@ -110,13 +112,18 @@ trainer.fit((x, y), epochs=2, global_batch_size=64, verbose=0, callbacks=[Fault(
 }
 
 
+_TORCHRUN_FLAGS = ("--standalone", "--nproc_per_node=2")
+_NANOGPT = "tests/cluster/scripts/nanogpt_style.py"
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
-    launch: tuple[str, ...]  # `spread run` options
-    script: str  # a path under examples/, or a key of SCRIPTS
+    launch: tuple[str, ...]  # the launcher's options
+    script: str  # a path in the repository, or a key of SCRIPTS
     args: tuple[str, ...] = ()
     expected: int = 0  # the exit code the run must end with
+    launcher: str = "spread run"  # or "torchrun": the reference, not counted in the exit status
 
 
 CASES = [
@@ -133,6 +140,9 @@ CASES = [
     Case("readme_mwms_noclose", ("-n", "2"), "readme_mwms"),
     Case("pipeline_sys_exit", ("-n", "2"), "fault", ("pipeline", "exit"), expected=3),
     Case("mwms_raise_on_rank1", ("-n", "2"), "fault", ("mwms", "raise"), expected=1),
+    # A plain torch.distributed script (no spread inside) that ends right after its last collective.
+    Case("nanogpt_style", _TORCHRUN_FLAGS, _NANOGPT, ("--max_iters=4",)),
+    Case("nanogpt_style_torchrun", _TORCHRUN_FLAGS, _NANOGPT, ("--max_iters=4",), launcher="torchrun"),
 ]
 
 
@@ -159,7 +169,8 @@ def abort_line(output: str) -> str:
 
 def _command(case: Case, scripts: Path) -> list[str]:
     path = scripts / f"{case.script}.py" if case.script in SCRIPTS else ROOT / case.script
-    return [str(SPREAD), "run", *case.launch, str(path), *case.args]
+    launcher = [str(TORCHRUN)] if case.launcher == "torchrun" else [str(SPREAD), "run"]
+    return [*launcher, *case.launch, str(path), *case.args]
 
 
 def run_once(case: Case, scripts: Path, timeout: float) -> tuple[int, str, float, str]:
@@ -258,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for case in cases:
             script = f"{case.script}.py (written by this file)" if case.script in SCRIPTS else case.script
-            print(f"{case.name}: spread run {' '.join(case.launch)} {script} {' '.join(case.args)}".rstrip())
+            command = " ".join([case.launcher, *case.launch, script, *case.args])
+            print(f"{case.name}: {command}")
         return 0
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             for t in tallies
         ]
         args.json.write_text(json.dumps(rows, indent=2))
-    return 1 if any(t.unexpected for t in tallies) else 0
+    return 1 if any(t.unexpected for t in tallies if t.case.launcher == "spread run") else 0
 
 
 if __name__ == "__main__":

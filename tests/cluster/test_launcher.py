@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from spread.cluster import launcher
 from spread.cluster.launcher import LaunchConfig, launch
 from spread.testing import reap_survivors
 
@@ -113,7 +114,7 @@ def test_config_is_frozen_and_normalises_args() -> None:
     )
     assert config.args == ("--lr", "0.1")
     assert config.world_size == 6
-    assert config.command()[1:] == ["-u", "train.py", "--lr", "0.1"]
+    assert config.command()[1:] == ["-u", launcher._SCRIPT_RUNNER, "train.py", "--lr", "0.1"]
     with pytest.raises(AttributeError):
         config.nproc = 4  # type: ignore[misc]
 

@@ -54,7 +54,7 @@ def job(tmp_path):
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+                proc.communicate(timeout=30)
         assert not process_alive(proc.pid)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

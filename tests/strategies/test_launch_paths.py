@@ -60,7 +60,7 @@ def _run_processes(envs: list[dict[str, str]], out: Path) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
+                p.communicate(timeout=30)
     for p, text in zip(procs, outputs, strict=True):
         assert p.returncode == 0, text[-3000:]
 

@@ -288,6 +288,10 @@ class Chaos(Callback):
             say(f"LISTEN attempt={attempt} rank={rank} addrs={addrs}")
             launcher = psutil.Process(os.getppid())
             job = [launcher, *launcher.children(recursive=True)]
+            if rank == 0:  # every socket of the job: launcher, its store process, every rank
+                every = [f"{c.laddr.ip}:{c.laddr.port}" for p in job for c in p.net_connections("inet")
+                         if c.status == psutil.CONN_LISTEN]
+                say(f"JOBLISTEN attempt={attempt} addrs={json.dumps(every, separators=(',', ':'))}")
             with open(os.path.join(report_dir, f"cmdlines-{attempt}-{rank}.json"), "w") as f:
                 json.dump([" ".join(p.cmdline()) for p in job], f)
         self.fire("batch_end")
@@ -604,10 +608,12 @@ def test_r7_all_ranks_die_at_once_is_one_failure_per_attempt_and_no_orphans(tmp_
 def test_s4_every_listener_during_default_training_is_on_loopback(uninterrupted):
     listeners = {e["rank"]: json.loads(e["addrs"]) for e in uninterrupted.events("LISTEN")}
     assert sorted(listeners) == [0, 1]
-    assert listeners[0], "rank 0 hosts the rendezvous store: it must be listening somewhere"
-    outside = [a for addrs in listeners.values() for a in addrs if not a.startswith(("127.", "::1:"))]
+    assert all(listeners.values()), "each rank listens for gloo's connections"
+    (job,) = [json.loads(e["addrs"]) for e in uninterrupted.events("JOBLISTEN")]
+    assert set(job) > {a for addrs in listeners.values() for a in addrs}, "the store process listens too"
+    outside = [a for a in job if not a.startswith(("127.", "::1:"))]
     assert outside == []
-    print("FIGURES", json.dumps({"listeners": listeners, "non_loopback": len(outside)}))
+    print("FIGURES", json.dumps({"listeners": listeners, "job": job, "non_loopback": len(outside)}))
 
 
 def test_s6_the_job_token_is_in_no_log_command_line_or_checkpoint(uninterrupted):

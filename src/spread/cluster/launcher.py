@@ -76,6 +76,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_SCRIPT_RUNNER = str(Path(__file__).with_name("_run_script.py"))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchConfig:
     """What ``spread run`` starts: ``nproc`` copies of one script (or module) on this node.
@@ -188,11 +191,13 @@ class LaunchConfig:
         return self.nproc * self.nnodes
 
     def command(self) -> list[str]:
-        """The command line every rank runs (the same for all ranks; no secrets on it)."""
+        """The command line every rank runs (the same for all ranks; no secrets on it). A script runs
+        through :mod:`spread.cluster._run_script`, which ends torch.distributed before finalization."""
         if self.no_python:
             return [self.entrypoint, *self.args]
-        target = ["-m", self.entrypoint] if self.module else [self.entrypoint]
-        return [sys.executable, "-u", *target, *self.args]
+        if self.module:
+            return [sys.executable, "-u", "-m", self.entrypoint, *self.args]
+        return [sys.executable, "-u", _SCRIPT_RUNNER, self.entrypoint, *self.args]
 
 
 def exit_code(returncode: int) -> int:
@@ -395,8 +400,9 @@ class _Attempt:
         )
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         env[TOKEN_ENV] = self.launch.token
-        if self.relay.live:
+        if self.relay.live:  # the ranks' stdout is a pipe; tell them a person watches, and how wide
             env["SPREAD_STDOUT_TTY"] = "1"
+            env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
         else:
             env.pop("SPREAD_STDOUT_TTY", None)
         if not env.get("OMP_NUM_THREADS"):
