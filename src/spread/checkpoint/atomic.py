@@ -14,8 +14,10 @@ import os
 import signal
 from pathlib import Path
 
+from spread import env
+
 MANIFEST = "manifest.json"
-CRASH_ENV = "SPREAD_CHECKPOINT_CRASH_AT"  # chaos tests: kill this process at a named point
+CRASH_ENV = env.CHECKPOINT_CRASH_AT  # chaos tests: kill this process at a named point
 CRASH_POINTS = ("after_shard_write", "after_manifest", "after_rename", "after_pointer")
 
 

@@ -11,9 +11,9 @@ finished run. torchrun shows it on plain DDP scripts (pytorch/pytorch#190489). A
 threads are joined when its last reference goes, so at exit, while the interpreter is still whole,
 this runner drops the script's objects and destroys what is left of torch.distributed.
 
-Only the standard library is imported here: a script may set ``OMP_NUM_THREADS`` or
-``CUDA_VISIBLE_DEVICES`` before its own ``import torch``. Scripts that never import
-torch.distributed are not touched at exit.
+Only the standard library (and :mod:`spread.env`, names only) is imported here: a script may set
+``OMP_NUM_THREADS`` or ``CUDA_VISIBLE_DEVICES`` before its own ``import torch``. Scripts that never
+import torch.distributed are not touched at exit.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import sys
 import threading
 import types
 
-EXIT_TIMEOUT_ENV = "SPREAD_EXIT_TIMEOUT"  # the same setting as spread.strategies.teardown
+from spread import env  # names only: imports neither torch nor the rest of spread
+
+EXIT_TIMEOUT_ENV = env.EXIT_TIMEOUT  # the same setting as spread.strategies.teardown
 _KEEP_AT_EXIT = (types.ModuleType, types.FunctionType, type, types.BuiltinFunctionType, str, bytes, int)
 
 

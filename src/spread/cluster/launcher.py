@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from spread import env as spread_env
 from spread.cluster._output import OutputRelay
 from spread.cluster._process import (
     bind_listener,
@@ -56,7 +57,7 @@ from spread.cluster._process import (
     signal_group,
 )
 
-TOKEN_ENV = "SPREAD_JOB_TOKEN"
+TOKEN_ENV = spread_env.JOB_TOKEN
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped (only the kernel can delay it)
@@ -394,17 +395,16 @@ class _Attempt:
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in _STOP_SIGNALS),
             TORCHELASTIC_ERROR_FILE=str(self.launch.errors.path(self.number, rank)),
-            SPREAD_RESTART_COUNT=str(self.number),
-            SPREAD_LAUNCHER="1",
+            **{spread_env.RESTART_COUNT: str(self.number), spread_env.LAUNCHER: "1"},
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         env[TOKEN_ENV] = self.launch.token
         if self.relay.live:  # the ranks' stdout is a pipe; tell them a person watches, and how wide
-            env["SPREAD_STDOUT_TTY"] = "1"
+            env[spread_env.STDOUT_TTY] = "1"
             env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
         else:
-            env.pop("SPREAD_STDOUT_TTY", None)
+            env.pop(spread_env.STDOUT_TTY, None)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // c.nproc))
         if self.tf_config is not None:  # a parameter-server job: roles come from TF_CONFIG alone

@@ -30,10 +30,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from spread import env
 from spread.cluster.spec import ClusterSpec
 from spread.errors import JobTokenError, RendezvousError
 
-TOKEN_ENV = "SPREAD_JOB_TOKEN"
+TOKEN_ENV = env.JOB_TOKEN
 _DEFAULT_TOKEN = "spread-default-job-token"
 _WAIT_NOTICE = 10.0  # seconds between "still waiting for the store" messages
 
@@ -53,12 +54,12 @@ def _env_seconds(name: str, default: float) -> float:
 
 def default_init_timeout() -> float:
     """Seconds to wait for all ranks to join (``SPREAD_INIT_TIMEOUT``, default 120)."""
-    return _env_seconds("SPREAD_INIT_TIMEOUT", 120.0)
+    return _env_seconds(env.INIT_TIMEOUT, 120.0)
 
 
 def default_collective_timeout() -> float:
     """Seconds a collective may block before it fails (``SPREAD_COLLECTIVE_TIMEOUT``, default 300)."""
-    return _env_seconds("SPREAD_COLLECTIVE_TIMEOUT", 300.0)
+    return _env_seconds(env.COLLECTIVE_TIMEOUT, 300.0)
 
 
 def _proof(token: str, nonce: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from spread import env as spread_env
 from spread.cluster import _hostlist, _tf_json
 from spread.cluster._hostlist import expand_nodelist
 from spread.cluster.spec import ClusterSpec
@@ -65,7 +66,7 @@ def _port(env: Mapping[str, str], name: str, *, default: int | None = None, mini
 
 def _restart_count(env: Mapping[str, str]) -> int:
     """The launcher's attempt number (0 on the first attempt), whatever the dialect."""
-    restarts = _first(env, "SPREAD_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+    restarts = _first(env, spread_env.RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT")
     return _int(env, restarts) if restarts else 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from spread import env
 from spread.errors import ClusterSpecError
 
 ROLES: tuple[str, ...] = ("chief", "worker", "ps", "evaluator")
@@ -254,5 +255,5 @@ class ClusterSpec:
             "NNODES": str(self.nnodes),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
-            "SPREAD_RESTART_COUNT": str(self.restart_count),
+            env.RESTART_COUNT: str(self.restart_count),
         }

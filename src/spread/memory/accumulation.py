@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -51,7 +51,7 @@ class MicroBatch:
     count: int
     num_samples: int
     weight: float
-    strategy: Any = field(default=None, repr=False, compare=False)
+    strategy: SupportsNoSync | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_last(self) -> bool:
@@ -104,13 +104,21 @@ def split_batch(batch: Any, num_micro_batches: int) -> list[tuple[Any, int]]:
     return [(pytree.tree_unflatten([p[i] for p in pieces], spec), size) for i, size in enumerate(parts)]
 
 
-def no_sync_context(strategy: Any) -> AbstractContextManager[Any]:
-    """The strategy's ``no_sync()`` when it has one (it exchanges gradients), else a no-op."""
-    no_sync = getattr(strategy, "no_sync", None)
-    return no_sync() if callable(no_sync) else nullcontext()
+class SupportsNoSync(Protocol):
+    """A strategy (every ``spread`` strategy is one): ``no_sync()`` skips the gradient exchange of the
+    backward passes inside it, a no-op where there is none."""
+
+    def no_sync(self) -> AbstractContextManager[None]: ...
 
 
-def micro_batches(batch: Any, num_micro_batches: int, *, strategy: Any = None) -> Iterator[MicroBatch]:
+def no_sync_context(strategy: SupportsNoSync | None) -> AbstractContextManager[None]:
+    """``strategy.no_sync()``, or a no-op without a strategy."""
+    return strategy.no_sync() if strategy is not None else nullcontext()
+
+
+def micro_batches(
+    batch: Any, num_micro_batches: int, *, strategy: SupportsNoSync | None = None
+) -> Iterator[MicroBatch]:
     """Yield a replica's ``batch`` as micro-batches for gradient accumulation (custom loops).
 
     Call it inside ``strategy.run``; run forward and ``micro.backward(mean_loss)`` once per
@@ -122,7 +130,7 @@ def micro_batches(batch: Any, num_micro_batches: int, *, strategy: Any = None) -
                 micro.backward(loss_fn(model(x), y))
 
     ``micro.backward`` weights the loss and, with ``strategy`` given, runs every backward pass but the
-    last inside ``strategy.no_sync()`` (when it has one), so gradients are exchanged once. Calling
+    last inside ``strategy.no_sync()``, so gradients are exchanged once. Calling
     ``(loss * micro.weight).backward()`` yourself gives the same result, with an exchange per pass
     unless you wrap the non-final ones in :func:`no_sync_context`.
     """

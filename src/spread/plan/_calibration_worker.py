@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from spread import env as spread_env
 from spread.comm.algorithms import ALGORITHMS, make_algorithm
 from spread.plan.costs import exposed_communication
 from spread.ps.transports import DEFAULT_TRANSPORT
@@ -87,8 +88,8 @@ def _ps_transport_samples(
     """Rank 1 serves a push method on the parameter servers' transport; rank 0 times pushes."""
     from spread.ps.transports import rpc_module
 
-    rpc = rpc_module(os.environ.get("SPREAD_PS_TRANSPORT", DEFAULT_TRANSPORT))
-    token = os.environ.get("SPREAD_JOB_TOKEN", "calibration")
+    rpc = rpc_module(os.environ.get(spread_env.PS_TRANSPORT, DEFAULT_TRANSPORT))
+    token = os.environ.get(spread_env.JOB_TOKEN, "calibration")
     port = torch.zeros(1, dtype=torch.int64)
     server = None
     if strategy.rank == 1:

@@ -4,24 +4,62 @@ A strategy answers three questions for a training script: where do variables liv
 kept in sync (``scope``), how is a step run on every replica (``run``), and how are per-replica
 values combined (``reduce``, ``gather``). It composes the lower layers (cluster, comm, data) and owns
 no sockets of its own.
+
+What the layers above ask of a strategy beyond that (the Trainer's step, state for checkpoints,
+backups and their restore, skipping the gradient exchange) is a documented method of
+:class:`Strategy` with a default that fits a data-parallel strategy; a strategy that differs
+overrides it. Nothing above this layer probes a strategy for optional attributes.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
-from spread.strategies.context import _pop_scope, _push_scope
+from spread.errors import SpreadError
+from spread.strategies.context import (
+    ReplicaContext,
+    _pop_scope,
+    _push_scope,
+    _set_replica_context,
+    get_replica_context,
+)
 from spread.strategies.teardown import ProcessResources
 from spread.values import PerReplica
 
 REDUCE_OPS = ("sum", "mean")
+
+
+class TrainingProgram(Protocol):
+    """What :meth:`Strategy.run_training_step` needs from the training loop (``spread.Trainer`` is one)."""
+
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    metrics: Mapping[str, Callable[..., torch.Tensor]]
+    accumulation_steps: int
+
+    def replica_train_step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of one replica's batch; its summed ``[loss*n, n, metric sums...]``."""
+        ...
+
+    def batch_stats(self, y_pred: torch.Tensor, y: Any, loss: torch.Tensor, n: int) -> torch.Tensor:
+        """``[loss*n, n, metric sums...]`` of ``n`` samples."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChiefRestore:
+    """What a rank that does not read the backup itself learns once the chief restored one."""
+
+    backup_step: int  # the global step of the backup the chief restored
+    resume_step: int  # the global step this rank resumes after
 
 
 def check_reduce_op(op: str) -> str:
@@ -162,6 +200,20 @@ class Strategy(abc.ABC):
         several replicas, else the value itself.
         """
 
+    def _run_as_replica(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict | None, replica: int, weight: float = 1.0
+    ) -> Any:
+        """``fn`` once in replica context as replica ``replica`` of this step (``weight``: its share
+        of the global batch); the step's batch sizes are forgotten afterwards. Nesting is refused."""
+        if get_replica_context() is not None:
+            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
+        _set_replica_context(ReplicaContext(self, replica, self.num_replicas_in_sync, weight))
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            _set_replica_context(None)
+            self._step_info = None
+
     @abc.abstractmethod
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine a per-replica value over all replicas (``"sum"`` or ``"mean"``); the same on every
@@ -220,6 +272,74 @@ class Strategy(abc.ABC):
             return [1.0 / self.num_replicas_in_sync] * n
         return [size / info.global_size for size in info.local_sizes]
 
+    # -- what the layers above rely on (defaults fit a data-parallel strategy) ----------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job (0 in a single process)."""
+        return 0
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside exchanges them.
+        A no-op where gradients are not exchanged at the end of backward."""
+        return nullcontext()
+
+    def run_training_step(self, program: TrainingProgram, batch: Any) -> torch.Tensor:
+        """Forward and backward of one global batch; ``[loss*n, n, metric sums...]`` summed over it,
+        the same on every rank. The caller steps the optimizer. Strategies that own forward and
+        backward (pipelines) override it."""
+        return self.reduce("sum", self.run(program.replica_train_step, args=(batch,)))
+
+    def gather_from_every_rank(self, value: torch.Tensor) -> torch.Tensor:
+        """One row per rank of the whole job, stacked on dimension 0 (collective); ``value`` itself
+        in a single process."""
+        return self.gather(value) if self.num_replicas_in_sync > 1 else value
+
+    @property
+    def state_is_collective(self) -> bool:
+        """Whether :meth:`model_state_dict` and :meth:`optimizer_state_dict` are collectives that
+        every rank must call (the chief alone does not hold the whole model up to date)."""
+        return False
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state in the one-device layout (what a checkpoint holds)."""
+        return model.state_dict()
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state in the one-device layout."""
+        return optimizer.state_dict()
+
+    # -- backups (BackupAndRestore) ----------------------------------------------------------------
+    @property
+    def restores_on_chief_only(self) -> bool:
+        """Whether only the chief reads a backup and restores shared state, the other ranks learning
+        where to resume from :meth:`wait_for_chief_restore` (parameter servers). Otherwise every rank
+        reads the backup."""
+        return False
+
+    def wait_for_chief_restore(self) -> ChiefRestore | None:
+        """On a rank that does not read backups: block until the chief restored one (where to
+        resume) or started afresh (``None``)."""
+        raise NotImplementedError(f"{type(self).__name__}: every rank reads the backup itself")
+
+    def ranks_with_own_backup(self) -> list[int]:
+        """Non-chief ranks that save their own part of every backup (RNG states, History), because
+        the strategy gives them no collective to gather it to the chief."""
+        return []
+
+    def backup_extras(self, global_step: int) -> dict[str, Any]:
+        """What the chief's backup of ``global_step`` holds beyond the model, optimizer and training
+        state (for example the servers' shards and ledgers). Called on the chief only."""
+        return {}
+
+    def restore_backup_extras(self, extras: Mapping[str, Any] | None, global_step: int) -> None:
+        """On the chief: restore what :meth:`backup_extras` returned (``None``: no backup was found,
+        training starts afresh). ``global_step`` is the step the backup was taken at."""
+        return  # nothing beyond the model and optimizer: they are restored by the caller
+
+    def wait_before_deleting_backups(self) -> None:
+        """On the chief, once training finished: block until no rank can still need a backup."""
+        return  # every rank finishes with the chief
+
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Release hooks, threads and process groups this strategy created. Idempotent.
@@ -240,15 +360,6 @@ class Strategy(abc.ABC):
         return (
             f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
         )
-
-
-class SupportsNoSync(abc.ABC):
-    """Capability of strategies that exchange gradients: skip the exchange for a few micro-steps."""
-
-    @abc.abstractmethod
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate locally; the next one outside exchanges everything."""
 
 
 @contextmanager

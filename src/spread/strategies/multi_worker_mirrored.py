@@ -24,14 +24,13 @@ from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_alg
 from spread.comm.bucketing import COMPRESSIONS
 from spread.data import ReplicaLayout, StepInfo
 from spread.errors import SpreadError
-from spread.strategies.base import Strategy, SupportsNoSync, check_reduce_op, one_replica_tensor
-from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.strategies.base import Strategy, check_reduce_op, one_replica_tensor
 from spread.strategies.process_group import join_process_group, local_device
 
 COMMUNICATIONS = ALGORITHM_NAMES  # "auto" and every name of spread.comm.algorithms.ALGORITHMS
 
 
-class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
+class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism with one replica per process.
 
     Args:
@@ -151,17 +150,10 @@ class MultiWorkerMirroredStrategy(Strategy, SupportsNoSync):
 
     # -- computation -------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        if get_replica_context() is not None:
-            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
         weight = self._replica_weights()[0]
         if self._reducer is not None:
             self._reducer.grad_scale = weight
-        _set_replica_context(ReplicaContext(self, self.rank, self.num_replicas_in_sync, weight))
-        try:
-            return fn(*args, **(kwargs or {}))
-        finally:
-            _set_replica_context(None)
-            self._step_info = None
+        return self._run_as_replica(fn, args, kwargs, self.rank, weight)
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         op = check_reduce_op(op)

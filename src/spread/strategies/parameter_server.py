@@ -39,7 +39,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from spread import env
 from spread.checkpoint import CheckpointManager
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.data import ReplicaLayout
@@ -58,13 +59,12 @@ from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.server import serve
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
-from spread.strategies.base import Strategy, one_replica_tensor, reduce_locally
-from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.strategies.base import ChiefRestore, Strategy, one_replica_tensor, reduce_locally
 from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
 FRESH_START = "fresh-start-"  # what the chief announces to the servers when there is no backup
-TOKEN_ENV = "SPREAD_JOB_TOKEN"
+TOKEN_ENV = env.JOB_TOKEN
 _DEFAULT_TOKEN = "spread-default-job-token"
 
 
@@ -117,7 +117,7 @@ class ParameterServerStrategy(Strategy):
             raise ValueError("max_staleness applies to mode='async' only (sync mode has no staleness)")
         if min_shard_bytes < 1:
             raise ValueError(f"min_shard_bytes must be >= 1, got {min_shard_bytes!r}")
-        transport = transport or os.environ.get("SPREAD_PS_TRANSPORT", DEFAULT_TRANSPORT)
+        transport = transport or os.environ.get(env.PS_TRANSPORT, DEFAULT_TRANSPORT)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
@@ -307,16 +307,9 @@ class ParameterServerStrategy(Strategy):
     # -- computation -------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Run ``fn`` (forward and backward) on this worker's batch; call ``optimizer.step()`` after."""
-        if get_replica_context() is not None:
-            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
         self._weight = self._replica_weights()[0] if self.mode == "sync" else 1.0
         replica = max(self.rank, 0) if self.mode == "sync" else 0
-        _set_replica_context(ReplicaContext(self, replica, self.num_replicas_in_sync, self._weight))
-        try:
-            return fn(*args, **(kwargs or {}))
-        finally:
-            _set_replica_context(None)
-            self._step_info = None
+        return self._run_as_replica(fn, args, kwargs, replica, self._weight)
 
     def _replica_weights(self) -> list[float]:
         info = self._step_info
@@ -482,6 +475,44 @@ class ParameterServerStrategy(Strategy):
             steps = min(per_server) if per_server else 0
         self.local_step = steps
         return steps
+
+    # -- backups (the strategy contract BackupAndRestore relies on) ---------------------------------
+    @property
+    def restores_on_chief_only(self) -> bool:
+        return True  # the servers hold the shared state; the chief restores them, the others wait
+
+    def wait_for_chief_restore(self) -> ChiefRestore | None:
+        restored_from = self.wait_for_restore()
+        if restored_from is None:
+            return None
+        backup_step = int(restored_from.split("-", 1)[0])
+        return ChiefRestore(backup_step=backup_step, resume_step=self.resume_from_servers())
+
+    def ranks_with_own_backup(self) -> list[int]:
+        # Sync mode resumes bit for bit, so every task's RNG states matter, and tasks share no
+        # collective to gather them to the chief. Async mode is never bit-exact: they start afresh.
+        return list(range(1, self.num_workers)) if self.mode == "sync" else []
+
+    def backup_extras(self, global_step: int) -> dict[str, Any]:
+        return {"servers": self.server_state(), "backup_id": f"{global_step}-{secrets.token_hex(6)}"}
+
+    def restore_backup_extras(self, extras: Mapping[str, Any] | None, global_step: int) -> None:
+        if extras is None:
+            self.announce_fresh_start()
+            return
+        servers, backup_id = extras["servers"], extras["backup_id"]
+        self.load_server_state(servers, restored_from=backup_id)
+        held = self.resume_from_servers(servers)
+        if held != global_step:
+            raise SpreadError(
+                f"backup {backup_id}: the servers hold {held} of the chief's steps, "
+                f"the chief saved at step {global_step}"
+            )
+
+    def wait_before_deleting_backups(self) -> None:
+        # The other tasks train on after the chief (async); one that fails later must still find
+        # the backup.
+        self.wait_for_workers()
 
     def restore_servers(self, directory: str | Path) -> int:
         """Load the latest checkpoint into the servers (a replaced server gets its shards back).

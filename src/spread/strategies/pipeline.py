@@ -11,7 +11,7 @@ Equivalence: each micro-batch's mean loss is scaled by its share of the *global*
 backward, gradients accumulate over the micro-batches and are summed over replicas, and the
 optimizer steps once per mini-batch, so the update equals one device on the same global batch.
 
-How to train: ``Trainer.fit`` (it calls :meth:`PipelineStrategy.trainer_step`), or a custom loop::
+How to train: ``Trainer.fit`` (it calls :meth:`PipelineStrategy.run_training_step`), or a custom loop::
 
     strategy = spread.PipelineStrategy(stages=2, microbatches=4, schedule="1f1b")
     with strategy.scope():
@@ -65,8 +65,8 @@ from spread.pipeline import (
 from spread.pipeline.affinity import CpuBinding, bind_local_cpus
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
-from spread.strategies.base import Strategy, check_reduce_op, one_replica_tensor
-from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.strategies.base import Strategy, TrainingProgram, check_reduce_op, one_replica_tensor
+from spread.strategies.context import get_replica_context
 from spread.strategies.process_group import join_process_group, local_device
 
 _WRAP_KIND = "pipeline"
@@ -183,8 +183,8 @@ class PipelineStrategy(Strategy):
         )
         if rendezvous is not None:  # ours to destroy; a group the script made is not
             self._resources.push(rendezvous.close)
-        self.rank = dist.get_rank()
-        self.stage, self.replica = self.rank % stages, self.rank // stages
+        self._rank = dist.get_rank()
+        self.stage, self.replica = self._rank % stages, self._rank // stages
         self.world = Collectives(device=self._device)
         # Every rank creates every group, in the same order (torch.distributed requires it).
         groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
@@ -217,6 +217,10 @@ class PipelineStrategy(Strategy):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def rank(self) -> int:
+        return self._rank
 
     @property
     def is_chief(self) -> bool:
@@ -355,22 +359,22 @@ class PipelineStrategy(Strategy):
             self.world.all_reduce(sums, name="pipeline_loss")
         return (sums[0] / sums[1].clamp_min(1)).to(torch.float32)
 
-    def trainer_step(self, trainer: Any, batch: Any) -> torch.Tensor:
-        """The Trainer's hook: one pipelined step; returns ``[loss*n, n, metric sums...]`` summed over
-        the global batch, the same on every rank. The Trainer steps the optimizer afterwards."""
-        if getattr(trainer, "accumulation_steps", 1) != 1:
+    def run_training_step(self, program: TrainingProgram, batch: Any) -> torch.Tensor:
+        """One pipelined step; returns ``[loss*n, n, metric sums...]`` summed over the global batch,
+        the same on every rank. The caller (the Trainer) steps the optimizer afterwards."""
+        if program.accumulation_steps != 1:
             raise ValueError(
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
                 "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
             )
         x, y = _split_xy(batch)
-        width = 2 + len(trainer.metrics)
+        width = 2 + len(program.metrics)
         stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
 
         def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
-            stats.add_(trainer._stats(out, target, loss, int(target.shape[0])).to(stats.device))
+            stats.add_(program.batch_stats(out, target, loss, int(target.shape[0])).to(stats.device))
 
-        self._step(trainer.model, x, y, trainer.loss_fn, on_loss)
+        self._step(program.model, x, y, program.loss_fn, on_loss)
         with self._guard("the metrics all-reduce"):
             self.world.all_reduce(stats, name="pipeline_metrics")  # only last stages contribute
         return stats
@@ -414,14 +418,7 @@ class PipelineStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Call ``fn`` once in replica context (no gradient exchange: training goes through
         :meth:`train_step` or ``Trainer``). Inside, ``model(x)`` under no_grad runs the pipeline."""
-        if get_replica_context() is not None:
-            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
-        _set_replica_context(ReplicaContext(self, self.replica, self.replicas))
-        try:
-            return fn(*args, **(kwargs or {}))
-        finally:
-            _set_replica_context(None)
-            self._step_info = None
+        return self._run_as_replica(fn, args, kwargs, self.replica)
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine over the data-parallel replicas. ``value`` must be the same on every stage of a
@@ -442,6 +439,16 @@ class PipelineStrategy(Strategy):
         return torch.cat(parts, dim=0).movedim(0, axis)
 
     # -- checkpoints -------------------------------------------------------------------------------
+    @property
+    def state_is_collective(self) -> bool:
+        return True  # the chief holds stage 0 up to date only
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return self.gather_state_dict(model)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.gather_optimizer_state_dict(optimizer)
+
     def gather_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Bring every rank's copy of every layer up to date (each stage's values from its replica-0
         rank) and return ``model.state_dict()``: the full model under its original keys, loadable into
@@ -539,14 +546,12 @@ class PipelineStrategy(Strategy):
                 out.setdefault(i, {})[key] = entry[3]
         return out
 
-    def gather_all_ranks(self, value: Any) -> torch.Tensor:
-        """Equally shaped tensors of every rank (every stage of every replica), stacked in rank order.
-
-        For callbacks that save per-rank state such as RNG states: :meth:`gather` spans only this
-        stage's replica group."""
+    def gather_from_every_rank(self, value: torch.Tensor) -> torch.Tensor:
+        """Equally shaped tensors of every rank (every stage of every replica), stacked in rank order:
+        :meth:`gather` spans only this stage's replica group."""
         tensor = one_replica_tensor(value, self._device).detach()
-        with self._guard("gather_all_ranks"):
-            return torch.cat(self.world.all_gather(tensor.contiguous(), name="gather_all_ranks"))
+        with self._guard("gather_from_every_rank"):
+            return torch.cat(self.world.all_gather(tensor.contiguous(), name="gather_from_every_rank"))
 
     # -- failures ----------------------------------------------------------------------------------
     @contextmanager

@@ -26,7 +26,9 @@ import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 
-EXIT_TIMEOUT_ENV = "SPREAD_EXIT_TIMEOUT"
+from spread import env
+
+EXIT_TIMEOUT_ENV = env.EXIT_TIMEOUT
 DEFAULT_EXIT_TIMEOUT = 10.0
 
 

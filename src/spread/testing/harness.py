@@ -25,6 +25,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from spread import env as spread_env
+
 
 @dataclass
 class RankResult:
@@ -142,9 +144,9 @@ def launch_ranks(
         "LOCAL_WORLD_SIZE": str(nprocs),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "SPREAD_JOB_TOKEN": secrets.token_hex(16),
-        "SPREAD_INIT_TIMEOUT": str(init_timeout),
-        "SPREAD_COLLECTIVE_TIMEOUT": str(collective_timeout),
+        spread_env.JOB_TOKEN: secrets.token_hex(16),
+        spread_env.INIT_TIMEOUT: str(init_timeout),
+        spread_env.COLLECTIVE_TIMEOUT: str(collective_timeout),
         "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": "lo",
         **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if store is not None else {}),

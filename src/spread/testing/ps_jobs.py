@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spread import env as spread_env
 from spread.cluster import ClusterSpec
 from spread.testing.harness import launch_ranks
 
@@ -173,7 +174,7 @@ def run_ps_script(
                 with open(Path(logs, f"{rank}.out"), "w") as out, open(Path(logs, f"{rank}.err"), "w") as err:
                     proc = subprocess.Popen(
                         [sys.executable, "-u", str(script), *args],
-                        env={**os.environ, **(env or {}), **rank_env, "SPREAD_JOB_TOKEN": token},
+                        env={**os.environ, **(env or {}), **rank_env, spread_env.JOB_TOKEN: token},
                         stdout=out,
                         stderr=err,
                         # Its own session: killed with its helpers below. No preexec_fn (it would make

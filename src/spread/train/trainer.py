@@ -97,13 +97,15 @@ class Trainer:
         return self.strategy.is_chief
 
     # -- one replica's work ------------------------------------------------------------------------
-    def _stats(self, y_pred: torch.Tensor, y: torch.Tensor, loss: torch.Tensor, n: int) -> torch.Tensor:
+    def batch_stats(self, y_pred: torch.Tensor, y: Any, loss: torch.Tensor, n: int) -> torch.Tensor:
+        """``[loss*n, n, metric sums...]`` of ``n`` samples (float64, summed over replicas later)."""
         values = [loss.detach() * n if n else loss.new_zeros(()), loss.new_tensor(float(n))]
         for fn in self.metrics.values():
             values.append(fn(y_pred.detach(), y).sum().to(loss.dtype) if n else loss.new_zeros(()))
         return torch.stack([v.reshape(()) for v in values]).to(torch.float64)
 
-    def _train_replica_step(self, batch: Any) -> torch.Tensor:
+    def replica_train_step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of one replica's batch (``strategy.run`` calls it on each replica)."""
         x, y = _split_batch(batch)
         if self.accumulation_steps > 1:
             return self._accumulate_replica_step(x, y)
@@ -112,7 +114,7 @@ class Trainer:
         loss = self.loss_fn(y_pred, y)
         # A replica with no samples still takes part in the gradient exchange, with zero gradients.
         (loss if n else y_pred.sum() * 0.0).backward()
-        return self._stats(y_pred, y, loss, n)
+        return self.batch_stats(y_pred, y, loss, n)
 
     def _accumulate_replica_step(self, x: Any, y: Any) -> torch.Tensor:
         """Micro-batches of this replica's slice; each mean loss weighted by its share of the slice
@@ -123,7 +125,7 @@ class Trainer:
             y_pred = self.model(mx)
             loss = self.loss_fn(y_pred, my)
             micro.backward(loss if n else y_pred.sum() * 0.0)
-            part = self._stats(y_pred, my, loss, n)
+            part = self.batch_stats(y_pred, my, loss, n)
             stats = part if stats is None else stats + part
         return stats
 
@@ -133,7 +135,7 @@ class Trainer:
             y_pred = self.model(x)
             n = _num_samples(y)
             loss = self.loss_fn(y_pred, y) if n else y_pred.new_zeros(())
-            return self._stats(y_pred, y, loss, n)
+            return self.batch_stats(y_pred, y, loss, n)
 
     # -- public API --------------------------------------------------------------------------------
     def fit(
@@ -220,14 +222,7 @@ class Trainer:
 
     def _train_step(self, batch: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        custom_step = getattr(self.strategy, "trainer_step", None)
-        if custom_step is not None:
-            # Strategies that own forward and backward (pipelines) run the step themselves and return
-            # the same summed [loss*n, n, metrics...] on every rank; the optimizer steps below as usual.
-            packed = custom_step(self, batch)
-        else:
-            per_replica = self.strategy.run(self._train_replica_step, args=(batch,))
-            packed = self.strategy.reduce("sum", per_replica)
+        packed = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics...], every rank
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
             self.optimizer.zero_grad(set_to_none=True)

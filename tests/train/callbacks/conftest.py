@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from spread.strategies import OneDeviceStrategy
 from spread.train.callbacks import Callback, CallbackList
 
 
@@ -25,7 +26,7 @@ class FakeTrainer:
         torch.manual_seed(0)
         self.model = nn.Linear(2, 1)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
-        self.strategy = None
+        self.strategy = OneDeviceStrategy()  # what a callback may ask a strategy for
         self.is_chief = is_chief
         self.stop_training = False
         self.params: dict[str, Any] = {

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from spread.comm.ops import Collectives, classify_error
 
 __all__ = ["AllReduceAlgorithm", "PendingAllReduce", "classify_error", "segment_bounds"]
+from spread import env
 from spread.errors import CollectiveError
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -35,7 +36,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def debug_collectives() -> bool:
     """Whether ``SPREAD_DEBUG_COLLECTIVES=1`` asks for cross-rank checks of every call."""
-    return os.environ.get("SPREAD_DEBUG_COLLECTIVES", "") == "1"
+    return os.environ.get(env.DEBUG_COLLECTIVES, "") == "1"
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

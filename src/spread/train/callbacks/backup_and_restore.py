@@ -16,25 +16,21 @@ Every rank must use the callback (it gathers RNG states collectively); only the 
 Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
 a warning in favour of the previous one.
 
-Pipelines: each stage's weights and optimizer state are gathered into the one-device layout
-(``gather_state_dict``, ``gather_optimizer_state_dict``; collective), RNG states from every rank of
-every stage, so the backup is the one a single device would write and restores under any split.
-
-Parameter servers: the chief's backup also holds every server's shards, optimizer state and ledger
-(the ids of the steps each applied). On restart the chief restores the servers and says so on them;
-the other tasks wait for that word and resume after the last of their own steps the servers hold.
-Sync mode: every task resumes at the chief's step, exactly: each non-chief task also saves its own
-RNG states, History and running sums under ``task-<rank>/`` (tasks share no collective to gather
-them), and the chief restores the newest backup every task saved. Async mode: a task keeps its step ids, so
-a step that some server applied before the backup is dropped there and applied by the others: after
-the restore no step is lost or applied twice (the result is not an uninterrupted run's, bit for bit,
-as async training never is). The servers must start with the job, as under ``spread run``.
+What differs between strategies is the strategy's own business, through the methods of
+:class:`~spread.strategies.Strategy` this callback calls: the state in the one-device layout
+(``model_state_dict``/``optimizer_state_dict``, collective where ``state_is_collective``: a
+pipeline's stages), every rank's RNG states (``gather_from_every_rank``), what the chief's backup
+holds besides (``backup_extras``/``restore_backup_extras``: parameter servers' shards and ledgers),
+ranks that learn where to resume from the chief instead of reading the backup
+(``restores_on_chief_only``/``wait_for_chief_restore``), ranks that save their own part of each
+backup because no collective reaches them (``ranks_with_own_backup``, under ``task-<rank>/``; the
+chief then restores the newest backup every such rank saved too), and when backups may be deleted
+(``wait_before_deleting_backups``).
 """
 
 from __future__ import annotations
 
 import random
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -77,56 +73,49 @@ class BackupAndRestore(Callback):
     # -- restore ---------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
         trainer = self.trainer
-        parameter_servers = hasattr(trainer.strategy, "resume_from_servers")
-        if parameter_servers and not trainer.is_chief:
-            self._resume_parameter_server_task()
+        strategy = trainer.strategy
+        if strategy.restores_on_chief_only and not trainer.is_chief:
+            self._resume_after_the_chief()
             return
-        found = self._load_for_every_task() if self._sync_tasks() else self.manager.load_latest()
+        own_parts = strategy.ranks_with_own_backup()
+        found = self._load_for_every_task() if own_parts else self.manager.load_latest()
         if found is None:
-            if parameter_servers:
-                trainer.strategy.announce_fresh_start()
+            if trainer.is_chief:
+                strategy.restore_backup_extras(None, 0)
             return
         step, state = found
         self._check_compatible(state, step)
-        servers = state.get("ps")
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
         trainer.history.epoch = list(state["history_epochs"])
-        _set_rng(state["rng"], trainer.strategy.rank if hasattr(trainer.strategy, "rank") else 0)
+        _set_rng(state["rng"], trainer.strategy.rank)
         trainer.resume_point = {
             "epoch": int(state["epoch"]),
             "batch": int(state["batch"]),
             "sums": state["sums"],
         }
-        if servers is not None:  # the chief restores the servers; the other tasks wait for that
-            trainer.strategy.load_server_state(servers, restored_from=state["backup_id"])
-            held = trainer.strategy.resume_from_servers(servers)
-            if held != trainer.global_step:
-                raise SpreadError(
-                    f"backup {state['backup_id']}: the servers hold {held} of the chief's steps, "
-                    f"the chief saved at step {trainer.global_step}"
-                )
+        if trainer.is_chief:
+            strategy.restore_backup_extras(state.get("strategy"), trainer.global_step)
         self.restored_step = step
 
-    def _resume_parameter_server_task(self) -> None:
-        """A non-chief task of a parameter-server job: wait for the chief's word (the servers restored
-        from a backup, or a fresh start), then resume after this task's last step the servers hold
-        (its position comes from the servers' ledger; its model is the servers' variables). Sync
-        mode: its RNG states, History and running sums come from its own part of the backup, so it
-        resumes bit for bit. Async mode: they start afresh (async is never bit-exact).
-        """
+    def _resume_after_the_chief(self) -> None:
+        """A rank that does not read the backup: wait for the chief's word (a backup restored, or a
+        fresh start), then resume at the step the strategy says (parameter servers: after this
+        task's last step the servers hold; the model is the servers' variables). A rank that saves
+        its own part of each backup gets its RNG states, History and running sums back from it, so
+        it resumes bit for bit; otherwise they start afresh."""
         trainer = self.trainer
         strategy = trainer.strategy
-        restored_from = strategy.wait_for_restore()
-        if restored_from is None:
+        restore = strategy.wait_for_chief_restore()
+        if restore is None:
             return
-        held = strategy.resume_from_servers()
+        held = restore.resume_step
         steps = trainer.params.get("steps")
         if not steps:
             raise SpreadError(
-                "BackupAndRestore under ParameterServerStrategy needs a dataset with a length (or "
+                f"BackupAndRestore under {type(strategy).__name__} needs a dataset with a length (or "
                 "steps_per_epoch) to turn a task's step count back into a data position"
             )
         trainer.global_step = held
@@ -135,33 +124,28 @@ class BackupAndRestore(Callback):
             "batch": held % steps,
             "sums": torch.zeros(2 + len(trainer.metrics), dtype=torch.float64),
         }
-        self.restored_step = int(restored_from.split("-", 1)[0])
-        own = self._task_manager(strategy.rank).load_latest(step=held) if self._sync_tasks() else None
-        if own is not None:  # sync mode: this task's RNG states, History and running sums too
+        self.restored_step = restore.backup_step
+        own_part = strategy.rank in strategy.ranks_with_own_backup()
+        own = self._task_manager(strategy.rank).load_latest(step=held) if own_part else None
+        if own is not None:  # this rank's RNG states, History and running sums too
             _, state = own
             trainer.history.history = {k: list(v) for k, v in state["history"].items()}
             trainer.history.epoch = list(state["history_epochs"])
             trainer.resume_point["sums"] = state["sums"]
             _set_rng(state["rng"], 0)
 
-    def _sync_tasks(self) -> list[int]:
-        """The non-chief tasks of a sync-mode parameter-server job (each saves its own RNG states)."""
-        strategy = self.trainer.strategy
-        if not hasattr(strategy, "resume_from_servers") or getattr(strategy, "mode", None) != "sync":
-            return []
-        return list(range(1, strategy.num_workers))
-
     def _task_manager(self, rank: int) -> CheckpointManager:
         # One more than the chief keeps: a task may be one backup ahead of a chief that died saving.
         return CheckpointManager(Path(self.backup_dir) / f"task-{rank:05d}", keep=self.keep + 1)
 
     def _load_for_every_task(self) -> tuple[int, dict[str, Any]] | None:
-        """Sync parameter servers: the newest backup of the chief that every other task also saved its
-        own part of (RNG states, History), so that every task resumes bit for bit."""
+        """The newest backup of the chief that every rank saving its own part also saved (RNG states,
+        History), so that every rank resumes bit for bit."""
         steps = sorted((int(c.name.removeprefix("ckpt-")) for c in self.manager.checkpoints()), reverse=True)
         for step in steps:
             if all(
-                (self._task_manager(r).directory / f"ckpt-{step:010d}").is_dir() for r in self._sync_tasks()
+                (self._task_manager(r).directory / f"ckpt-{step:010d}").is_dir()
+                for r in self.trainer.strategy.ranks_with_own_backup()
             ):
                 found = self.manager.load_latest(step=step)
                 if found is not None:
@@ -198,34 +182,8 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.delete_checkpoint and self.trainer.is_chief:
-            # Parameter servers: the other tasks train on after the chief (async); one that fails later
-            # must still find the backup, so it goes only once every task has finished.
-            wait_for_workers = getattr(self.trainer.strategy, "wait_for_workers", None)
-            if wait_for_workers is not None:
-                wait_for_workers()
+            self.trainer.strategy.wait_before_deleting_backups()
             shutil.rmtree(self.backup_dir, ignore_errors=True)
-
-    def _gather_all(self) -> Any:
-        """A function gathering one tensor from every rank, or None in a single process.
-
-        ``strategy.gather`` spans every rank for the data-parallel strategies; a pipeline's spans one
-        stage's replicas, so it offers ``gather_all_ranks``."""
-        strategy = self.trainer.strategy
-        every_rank = getattr(strategy, "gather_all_ranks", None)
-        if every_rank is not None:
-            return every_rank
-        return strategy.gather if strategy.num_replicas_in_sync > 1 else None
-
-    def _model_and_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The one-device model and optimizer state; collective under a pipeline, whose chief holds
-        only stage 0 up to date (``gather_state_dict``/``gather_optimizer_state_dict``)."""
-        trainer = self.trainer
-        strategy = trainer.strategy
-        gather_model = getattr(strategy, "gather_state_dict", None)
-        gather_optimizer = getattr(strategy, "gather_optimizer_state_dict", None)
-        if gather_model is not None and gather_optimizer is not None:
-            return gather_model(trainer.model), gather_optimizer(trainer.optimizer)
-        return trainer.model.state_dict(), trainer.optimizer.state_dict()
 
     def _save(self) -> None:
         """Gather the RNG states, let the chief write, and return on every rank once it is durable.
@@ -236,20 +194,21 @@ class BackupAndRestore(Callback):
         before). A chief that fails to write says so to the others instead of leaving them waiting.
         """
         trainer = self.trainer
-        gather = self._gather_all()
+        strategy = trainer.strategy
         rng = torch.get_rng_state().unsqueeze(0)
-        all_rng = gather(rng) if gather is not None else rng
-        model_state, optimizer_state = self._model_and_optimizer_state()
+        all_rng = strategy.gather_from_every_rank(rng)
+        model_state = strategy.model_state_dict(trainer.model)  # collective where state_is_collective
+        optimizer_state = strategy.optimizer_state_dict(trainer.optimizer)
         failure: BaseException | None = None
         if trainer.is_chief:
             try:
                 self._write(all_rng, model_state, optimizer_state)
             except Exception as exc:  # reported to the other ranks below, then re-raised
                 failure = exc
-        elif self._sync_tasks():  # a sync parameter-server task: its own RNG states, beside the chief's
-            self._task_manager(trainer.strategy.rank).save(trainer.global_step, self._common_state(rng))
-        if gather is not None:
-            written = gather(torch.tensor([0.0 if failure else 1.0]))
+        elif strategy.rank in strategy.ranks_with_own_backup():  # its own part, beside the chief's
+            self._task_manager(strategy.rank).save(trainer.global_step, self._common_state(rng))
+        if strategy.num_replicas_in_sync > 1 or strategy.state_is_collective:
+            written = strategy.gather_from_every_rank(torch.tensor([0.0 if failure else 1.0]))
             if failure is None and bool((written < 1).any()):
                 raise SpreadError(
                     f"the chief failed to write the backup of step {trainer.global_step} to "
@@ -292,10 +251,9 @@ class BackupAndRestore(Callback):
             "optimizer": optimizer_state,
             **self._common_state(all_rng),
         }
-        server_state = getattr(trainer.strategy, "server_state", None)
-        if server_state is not None:  # parameter servers: their shards, optimizer state and ledger
-            state["ps"] = server_state()
-            state["backup_id"] = f"{trainer.global_step}-{secrets.token_hex(6)}"
+        extras = trainer.strategy.backup_extras(trainer.global_step)
+        if extras:
+            state["strategy"] = extras
         self.manager.save(trainer.global_step, state)
 
 

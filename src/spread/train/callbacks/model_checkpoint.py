@@ -7,9 +7,9 @@ file in the same directory, which is flushed and fsync'ed, then renamed over the
 survives a power loss. Overwriting a checkpoint in place (nanoGPT) loses both copies on a crash.
 
 Only the chief writes (every rank holds the same replicated weights). Under a strategy whose chief
-does not hold the whole model up to date (a pipeline: ``gather_state_dict``), the callback runs on
-every rank, gathers the model (and optimizer) state collectively into the one-device layout, and the
-chief writes it: the file loads into a one-device model.
+does not hold the whole model up to date (``strategy.state_is_collective``: a pipeline), the callback
+runs on every rank, gathers the model (and optimizer) state collectively into the one-device layout,
+and the chief writes it: the file loads into a one-device model.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class ModelCheckpoint(Callback):
         self._warned_missing = False
 
     def runs_on(self, trainer: Any) -> bool:
-        return super().runs_on(trainer) or _gathers(trainer)
+        return super().runs_on(trainer) or trainer.strategy.state_is_collective
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._batches_since_save = 0
@@ -163,16 +163,11 @@ class ModelCheckpoint(Callback):
     def _state(self, epoch: int) -> Any:
         assert self.trainer is not None, "ModelCheckpoint used before set_trainer()"
         trainer = self.trainer
-        if _gathers(trainer):  # collective: every rank takes part, the chief writes
-            model_state = trainer.strategy.gather_state_dict(trainer.model)
-        else:
-            model_state = trainer.model.state_dict()
+        # Collective where the strategy's state is: every rank takes part, the chief writes.
+        model_state = trainer.strategy.model_state_dict(trainer.model)
         if self.save_weights_only:
             return model_state
-        if _gathers(trainer):
-            optimizer_state = trainer.strategy.gather_optimizer_state_dict(trainer.optimizer)
-        else:
-            optimizer_state = trainer.optimizer.state_dict()
+        optimizer_state = trainer.strategy.optimizer_state_dict(trainer.optimizer)
         return {
             "model": model_state,
             "optimizer": optimizer_state,
@@ -225,8 +220,3 @@ class ModelCheckpoint(Callback):
     def _write(self, state: Any, path: str) -> None:
         if self.trainer.is_chief:
             atomic_torch_save(state, path)
-
-
-def _gathers(trainer: Any) -> bool:
-    """Whether the strategy must gather the model collectively before the chief can save it."""
-    return getattr(getattr(trainer, "strategy", None), "gather_state_dict", None) is not None

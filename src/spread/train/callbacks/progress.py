@@ -27,12 +27,13 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from spread import env
 from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
 
 # Set to "1" by `spread run` (spread.cluster.launcher) when its own stdout, to which it relays every
 # rank's stdout, is a terminal.
-RELAYED_TERMINAL_ENV = "SPREAD_STDOUT_TTY"
+RELAYED_TERMINAL_ENV = env.STDOUT_TTY
 # Columns a relayed bar leaves for the launcher's tag ("[rank 0] ", "[chief] "), so a frame never
 # wraps (a wrapped frame cannot be redrawn in place).
 _RELAY_TAG_COLUMNS = 12

@@ -1,0 +1,13 @@
+"""Every ``SPREAD_*`` environment variable, named once. ``docs/architecture.md`` has the table of who
+sets and reads each."""
+
+JOB_TOKEN = "SPREAD_JOB_TOKEN"  # the job's shared secret: rendezvous namespace, control-plane proofs
+INIT_TIMEOUT = "SPREAD_INIT_TIMEOUT"  # seconds to join a job (default 120)
+COLLECTIVE_TIMEOUT = "SPREAD_COLLECTIVE_TIMEOUT"  # seconds one collective may take (default 300)
+RESTART_COUNT = "SPREAD_RESTART_COUNT"  # the attempt number under `spread run --max-restarts`
+LAUNCHER = "SPREAD_LAUNCHER"  # "1" in the ranks `spread run` starts
+STDOUT_TTY = "SPREAD_STDOUT_TTY"  # "1": `spread run` relays this rank's stdout to a terminal
+EXIT_TIMEOUT = "SPREAD_EXIT_TIMEOUT"  # seconds the release at interpreter exit may take (default 10)
+PS_TRANSPORT = "SPREAD_PS_TRANSPORT"  # the parameter servers' RPC layer: "zmq" (default) or "grpc"
+DEBUG_COLLECTIVES = "SPREAD_DEBUG_COLLECTIVES"  # "1": log every collective
+CHECKPOINT_CRASH_AT = "SPREAD_CHECKPOINT_CRASH_AT"  # chaos tests: die at a named point of a save
