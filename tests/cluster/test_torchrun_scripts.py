@@ -9,14 +9,16 @@ rank restarted with ``--max_restarts=1``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # torchrun runs may be repeated
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BIN = Path(sys.executable).parent
@@ -29,38 +31,75 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-# Two torchrun failures that are torchrun's, not the script's, and that spread run does not have:
+# Torchrun failures that are torchrun's, not the script's, and that spread run does not have:
 # - a rank aborts at exit after a finished run (gloo's threads outlive the interpreter,
 #   pytorch/pytorch#190489; spread run releases torch.distributed first);
 # - after a restart, a rank reads the previous attempt's gloo addresses from the agent's store (one
-#   store for every attempt, and env:// adds no attempt prefix): "connectFullMesh failed"; spread run
-#   hosts a fresh store per attempt.
+#   store for every attempt, and env:// adds no attempt prefix): "connectFullMesh failed", or a rank
+#   that waits for a peer at an address nobody answers (gloo's 30-minute default); spread run hosts a
+#   fresh store per attempt.
 # What the tests compare is torchrun without them, so such a torchrun run is repeated, a few times at most.
 TORCHRUN_ATTEMPTS = 5
+TORCHRUN_HANG = 60  # seconds; a torchrun run this long is the stale-address wait (a clean one: 5-25 s)
 
 
 def _torchrun_own_failure(proc: subprocess.CompletedProcess) -> bool:
     exit_abort = "terminate called without an active exception" in proc.stderr and "SIGABRT" in proc.stderr
-    return exit_abort or "connectFullMesh failed" in proc.stderr
+    return proc.returncode is None or exit_abort or "connectFullMesh failed" in proc.stderr
+
+
+def _run(
+    argv: list[str], cwd: Path, timeout: float, *, hang_is_an_answer: bool
+) -> subprocess.CompletedProcess:
+    """Run a launcher; past ``timeout`` it and every process under it are killed, and the run
+    counts as a hang (returncode None) when ``hang_is_an_answer``, else the test fails."""
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        out, err = proc.communicate(timeout=30)
+        if not hang_is_an_answer:
+            raise AssertionError(f"{argv[0]} still running after {timeout}s:\n{err[-3000:]}") from None
+        return subprocess.CompletedProcess(argv, None, out, err)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+            proc.communicate(timeout=30)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """The launcher and every process under it (torchrun starts each rank in a session of its own)."""
+    tree = [*psutil.Process(proc.pid).children(recursive=True)]
+    proc.kill()
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(tree, timeout=30)
 
 
 def _both(flags: list[str], script: str, args: list[str], cwd: Path) -> dict[str, tuple[int, list[str]]]:
     """Run under each launcher (a fresh working directory each); returns (exit code, rank 0's lines)."""
     results = {}
     for name, launcher in LAUNCHERS.items():
-        for attempt in range(TORCHRUN_ATTEMPTS if name == "torchrun" else 1):
+        torchrun = name == "torchrun"
+        for attempt in range(TORCHRUN_ATTEMPTS if torchrun else 1):
             workdir = cwd / name.replace(" ", "_") / str(attempt)
             workdir.mkdir(parents=True)
-            proc = subprocess.run(
-                [*launcher, *flags, str(SCRIPTS / script), *args],
-                cwd=workdir,
-                env=_env(),
-                capture_output=True,
-                text=True,
-                timeout=240,
-            )
-            if name != "torchrun" or not _torchrun_own_failure(proc):
+            argv = [*launcher, *flags, str(SCRIPTS / script), *args]
+            proc = _run(argv, workdir, TORCHRUN_HANG if torchrun else 240, hang_is_an_answer=torchrun)
+            if not torchrun or not _torchrun_own_failure(proc):
                 break
+        assert proc.returncode is not None, f"torchrun failed on its own {TORCHRUN_ATTEMPTS} times in a row"
         lines = proc.stdout.splitlines()
         if name == "spread run":  # spread tags every line; torchrun passes every rank's lines through bare
             assert all(line.startswith("[rank ") for line in lines), lines
