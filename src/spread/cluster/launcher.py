@@ -285,10 +285,12 @@ class _StoreHost:
             listener.close()  # the store's process holds its own copy; the port dies with it
 
     def close(self) -> None:
-        """Stop serving (the port is free again when this returns)."""
+        """Stop serving (the port is free again when this returns). The ranks are gone and the store
+        holds nothing worth keeping, so a store process still importing torch (a script that ended
+        at once) is killed rather than waited for."""
         try:
             self.proc.stdin.close()  # type: ignore[union-attr]
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=0.1)  # a serving store exits on EOF within milliseconds
         except (OSError, subprocess.TimeoutExpired):
             signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
