@@ -5,7 +5,8 @@ it, Linux tends to wake the neighbour's threads on the *sender's* CPU (a synchro
 the wakee towards the waker), so for a few milliseconds both stages share one CPU while the other
 sits idle, until the load balancer separates them (our reading of the measurements below).
 Measured on a 2-core VM with two stages of a deep MLP: a 256 KB ``isend`` to a waiting peer took
-2.4-4.3 ms unbound and 0.26 ms bound, and 1F1B steps took less time bound (docs/architecture.md).
+2.4-4.3 ms unbound and 0.26 ms bound, and 1F1B steps took less time bound
+(docs/results/2026-11-23-pipelines.md, run 5).
 Binding keeps every stage on its own cores.
 
 :func:`bind_local_cpus` splits the CPUs this process may use into ``local_world_size`` equal

@@ -15,7 +15,7 @@ from spread.plan.calibration import CalibrationProfile
 from spread.plan.costs import Link
 
 # Fallbacks for a cluster described by hand without a profile: loopback TCP and memcpy on the
-# 2-core development machine (docs/benchmarks.md), and a 10 Gbit/s, 50 us network between nodes.
+# 2-core development machine (docs/results/), and a 10 Gbit/s, 50 us network between nodes.
 DEFAULT_INTRA = {
     "native": Link(alpha=6e-4, beta=0.78e9),
     "ring": Link(alpha=6e-4, beta=0.78e9),

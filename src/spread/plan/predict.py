@@ -234,8 +234,8 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     if in_process:
         # Thread replicas share the one copy of the parameters and autograd sums their gradients
         # into it: no copy. CentralStorageStrategy is that same machinery (its variables live where
-        # the replicas compute; other placements are refused), so it was wrong to charge it a
-        # reduce-to-one over memory: that made it look 1-7% slower than Mirrored, which it never is.
+        # the replicas compute; other placements are refused), so it is charged no reduce-to-one
+        # over memory: that would make it look 1-7% slower than Mirrored, which it never is.
         comm_total = exposed = 0.0
     else:
         algorithm = c.get("communication", "native")

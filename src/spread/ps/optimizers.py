@@ -104,7 +104,7 @@ class ServerOptimizer:
                 fill = float(self.spec.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
                 state[key] = torch.full_like(param, fill)
         # index_select/index_copy_ rather than ``param[rows]``: the same values, several times faster
-        # on a CPU (the gather and the scatter were most of a sparse push's cost on the server).
+        # on a CPU (with indexing, the gather and the scatter are most of a sparse push's cost).
         sub = {key: state[key].index_select(0, rows) for key in self._buffer_names()}
         sub["step"] = state.get("step", 0)
         values = param.index_select(0, rows)

@@ -2,12 +2,13 @@
 ``"grpc"`` (:mod:`spread.ps.grpc_transport`). Both offer the same ``RpcServer``/``RpcClient``/
 ``RequestRefused`` API, so servers, clients and the coordinator are written once.
 
-Why these two and this default (``benchmarks/ps_transport.py``, ``docs/benchmarks.md``): both are
+Why these two and this default (``benchmarks/ps_transport.py``,
+``docs/results/2026-11-23-ps-transport.md``): both are
 well-kept libraries that work across machines and carry spread's own wire frames (no pickle);
 ZeroMQ moved 4 MB in ~4 ms per push on this machine, gRPC's Python binding in ~11-14 ms (it copies
 each message several times); torch.distributed.rpc (~2 ms) unpickles its network messages, which
-spread's security rule forbids. An earlier hand-written framed-TCP transport (~2 ms) was removed:
-the project does not keep a home-made network stack."""
+spread's security rule forbids. A hand-written framed-TCP transport would take ~2 ms, but the
+project keeps no home-made network stack."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """All-reduce algorithms over a flat buffer, chosen by name (see :data:`ALGORITHMS`).
 
 The ``"auto"`` rule, by backend and buffer size, written from ``benchmarks/allreduce_bus.py`` on the
-2-core development machine (2 processes, fp32, 4 KB to 64 MB; ``docs/benchmarks.md``):
+2-core development machine (2 processes, fp32, 4 KB to 64 MB; ``docs/results/``, all-reduce studies):
 
 * **gloo (CPU buffers), every rank on this host, Linux** -> ``shm`` at every size. With buffers from
   ``allocate`` (as the gradient buckets are) it measured 2.5-9.5x gloo's bus bandwidth on a quiet
