@@ -1,4 +1,4 @@
-"""Tables, the plot and the generated section of ``docs/benchmarks.md`` for ``spread bench``.
+"""Tables, the plot and the generated section of a dated ``docs/results/`` file for ``spread bench``.
 
 Pure functions of the benchmark scripts' JSON results, so they can be tested without timing
 anything. Definitions (also written into the generated section):

@@ -3,7 +3,7 @@
 Runs the scripts of the checkout's ``benchmarks/`` folder: one job per workload builds every
 configuration once and measures them in interleaved rounds (the machine's drift then hits all
 alike; see ``benchmarks/throughput.py``). Collects their JSON, prints the tables, and writes a
-generated section of ``docs/benchmarks.md`` and a PNG plot under ``docs/img/``. ``--calibrate``
+generated section of a dated ``docs/results/`` file and a PNG plot under ``docs/img/``. ``--calibrate``
 measures this machine for ``spread plan`` instead. Torch is imported only by the jobs (and by
 ``--calibrate``).
 """
@@ -11,6 +11,7 @@ measures this machine for ``spread plan`` instead. Torch is imported only by the
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import os
@@ -31,7 +32,7 @@ tensorflow is installed, not with --quick) TensorFlow's MultiWorkerMirroredStrat
 then the all-reduce microbenchmark (4 KB to 64 MB, every algorithm vs gloo's own). The
 configurations of a workload take turns in interleaved rounds and the ratios are paired by round,
 because this machine's speed drifts within minutes. Prints the tables and writes them, with the
-command, machine line and a plot, into docs/benchmarks.md (a generated section) and docs/img/.
+command, machine line and a plot, into docs/results/<today>-spread-bench.md and docs/img/.
 Timings are only comparable within one run on a quiet machine."""
 
 _EPILOG = """\
@@ -65,11 +66,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--doc",
         default=None,
-        help="markdown file for the generated section (default: docs/benchmarks.md; "
+        help="markdown file for the generated section (default: docs/results/<today>-spread-bench.md; "
         "--quick writes none unless given)",
     )
     parser.add_argument(
-        "--img-dir", default=None, help="folder for the plot (default: docs/img beside --doc)"
+        "--img-dir",
+        default=None,
+        help="folder for the plot (default: docs/img, or img/ beside a --doc given)",
     )
     parser.add_argument("--json", default=None, help="also write every raw result here")
     parser.add_argument("--benchmarks", default=None, help="the benchmarks/ folder (default: the checkout's)")
@@ -202,9 +205,11 @@ def run(args: argparse.Namespace) -> int:
     results["machine"] = machine
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    doc = Path(args.doc) if args.doc else None if args.quick else folder.parent / "docs" / "benchmarks.md"
+    docs = folder.parent / "docs"
+    dated = docs / "results" / f"{datetime.date.today().isoformat()}-spread-bench.md"
+    doc = Path(args.doc) if args.doc else None if args.quick else dated
     if doc is not None:
-        img_dir = Path(args.img_dir) if args.img_dir else doc.parent / "img"
+        img_dir = Path(args.img_dir) if args.img_dir else docs / "img" if doc == dated else doc.parent / "img"
         image = img_dir / "bench.png"
         drawn = report.plot(results, image)
         if not drawn:
