@@ -121,6 +121,17 @@ def test_remote_servers_without_a_job_token_are_refused(monkeypatch):
         spread.ParameterServerStrategy(cluster=_spec(ps=("10.0.0.5:2222",)))
 
 
+def test_the_start_up_deadline_comes_from_spread_init_timeout_like_every_strategy(monkeypatch):
+    monkeypatch.setenv("SPREAD_INIT_TIMEOUT", "40")
+    from_env = spread.ParameterServerStrategy(cluster=_spec())
+    given = spread.ParameterServerStrategy(cluster=_spec(), init_timeout=7)
+    try:
+        assert (from_env.init_timeout, given.init_timeout) == (40.0, 7.0)
+    finally:
+        from_env.close()  # no server listens: closing reports nothing and ends at once
+        given.close()
+
+
 def test_registered_by_name():
     from spread.strategies import STRATEGIES
 

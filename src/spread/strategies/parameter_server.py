@@ -51,6 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from spread import env
 from spread.checkpoint import CheckpointManager
 from spread.cluster import ClusterSpec, resolve_cluster
+from spread.cluster.rendezvous import default_init_timeout
 from spread.data import ReplicaLayout
 from spread.errors import ParameterServerError, SpreadError
 from spread.ps.at_exit import close_at_exit
@@ -90,7 +91,8 @@ class ParameterServerStrategy(Strategy):
         cluster: the cluster spec; default: resolved from the environment. Must list ``ps`` tasks.
         min_shard_bytes: embedding tables larger than this are split by rows over the servers.
         timeout: seconds for one call to a server; a dead server is reported, named, within it.
-        init_timeout: seconds to wait for the servers and the chief's variables at start-up.
+        init_timeout: seconds to wait for the servers and the chief's variables at start-up
+            (default ``SPREAD_INIT_TIMEOUT`` or 120).
         shutdown_timeout: seconds the chief waits, when closing, for the workers to finish.
         transport: the RPC layer, ``"zmq"`` (ZeroMQ) or ``"grpc"``; default
             ``SPREAD_PS_TRANSPORT`` or ``"zmq"``. Every task of a job must use the same.
@@ -104,7 +106,7 @@ class ParameterServerStrategy(Strategy):
         cluster: ClusterSpec | None = None,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
-        init_timeout: float = 120.0,
+        init_timeout: float | None = None,
         shutdown_timeout: float = 600.0,
         transport: str | None = None,
     ) -> None:
@@ -124,7 +126,7 @@ class ParameterServerStrategy(Strategy):
         self.mode = mode
         self.max_staleness = max_staleness
         self.min_shard_bytes = min_shard_bytes
-        self.init_timeout = init_timeout
+        self.init_timeout = default_init_timeout() if init_timeout is None else init_timeout
         self.shutdown_timeout = shutdown_timeout
         self.cluster = cluster if cluster is not None else resolve_cluster()
         servers = tuple(self.cluster.cluster.get("ps", ()))

@@ -173,7 +173,9 @@ def run_ps_script(
                 task = json.loads(rank_env["TF_CONFIG"])["task"]
                 with open(Path(logs, f"{rank}.out"), "w") as out, open(Path(logs, f"{rank}.err"), "w") as err:
                     proc = subprocess.Popen(
-                        [sys.executable, "-u", str(script), *args],
+                        # -X faulthandler: a task still running at the deadline is sent SIGABRT
+                        # first and prints every thread's stack, so a hang says where it waited.
+                        [sys.executable, "-u", "-X", "faulthandler", str(script), *args],
                         env={**os.environ, **(env or {}), **rank_env, spread_env.JOB_TOKEN: token},
                         stdout=out,
                         stderr=err,
@@ -191,8 +193,10 @@ def run_ps_script(
                         ended[i] = time.monotonic() - start
                 time.sleep(0.05)
         finally:
+            hung = [i for i, (_, _, proc) in enumerate(procs) if proc.poll() is None]
+            _dump_stacks([procs[i][2] for i in hung])
             for i, (_, _, proc) in enumerate(procs):
-                if proc.poll() is None:
+                if i in hung:
                     try:
                         os.killpg(proc.pid, signal.SIGKILL)
                     except ProcessLookupError:
@@ -212,3 +216,16 @@ def run_ps_script(
             )
             for i, (role, index, proc) in enumerate(procs)
         ]
+
+
+def _dump_stacks(running: list[subprocess.Popen]) -> None:
+    """SIGABRT to each process (faulthandler prints its threads' stacks to its stderr), then wait
+    up to 5 s for them to be written."""
+    for proc in running:
+        try:
+            os.kill(proc.pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(p.poll() is None for p in running):
+        time.sleep(0.05)
