@@ -32,7 +32,6 @@ off); every client call has a deadline; :meth:`GrpcServer.stop` joins every thre
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -76,7 +75,6 @@ _STOP_GRACE = 1.0  # seconds stop() lets calls in flight finish
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _FAULT = grpc.StatusCode.INTERNAL
-_log = logging.getLogger(__name__)
 _start_lock = threading.Lock()
 
 
