@@ -75,7 +75,7 @@ _STOP_GRACE = 1.0  # seconds stop() lets calls in flight finish
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _FAULT = grpc.StatusCode.INTERNAL
-_start_lock = threading.Lock()
+_threads_lock = threading.Lock()  # one server at a time looks for the threads gRPC starts for it
 
 
 def _target(host: str, port: int) -> str:
@@ -103,6 +103,15 @@ def _frame(message: Message) -> bytes:
 
 def _identity(data: bytes) -> bytes:
     return data
+
+
+def _threads_started(action: Callable[[], object], name_suffix: str) -> list[threading.Thread]:
+    """The threads named ``...name_suffix`` that ``action`` started (gRPC names its threads after
+    their function), so that a server can join what gRPC started for it."""
+    with _threads_lock:
+        before = set(threading.enumerate())
+        action()
+        return [t for t in set(threading.enumerate()) - before if t.name.endswith(name_suffix)]
 
 
 class GrpcCallContext(CallContext):
@@ -227,10 +236,7 @@ class GrpcServer(RpcServer):
         self._serve_thread: threading.Thread | None = None
 
     def start(self) -> GrpcServer:
-        with _start_lock:  # find the one polling thread gRPC starts, to join it in stop()
-            before = set(threading.enumerate())
-            self._server.start()
-            started = [t for t in set(threading.enumerate()) - before if t.name.endswith("(_serve)")]
+        started = _threads_started(self._server.start, "(_serve)")  # gRPC's polling thread
         self._serve_thread = started[0] if len(started) == 1 else None
         return self
 
@@ -238,10 +244,15 @@ class GrpcServer(RpcServer):
         self._stopping.set()  # streams see their calls end (is_active) and return
         # Calls already handled get a moment to deliver their answers (a stop call's own, a
         # stream's last item); what is still running then is cancelled, like closing sockets.
-        self._server.stop(_STOP_GRACE).wait()
+        stopped: list[threading.Event] = []
+        cancelling = _threads_started(
+            lambda: stopped.append(self._server.stop(_STOP_GRACE)), "(cancel_all_calls_after_grace)"
+        )
+        stopped[0].wait()
         inside = threading.current_thread()
-        if self._serve_thread is not None and self._serve_thread is not inside:
-            self._serve_thread.join()
+        for thread in (self._serve_thread, *cancelling):
+            if thread is not None and thread is not inside:
+                thread.join()  # the cancelling thread ends just after gRPC reports the stop
         self._release_handlers()
 
     # -- calls -------------------------------------------------------------------------------------
