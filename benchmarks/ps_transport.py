@@ -62,7 +62,7 @@ def _spread_grpc_server(token: str, conn) -> None:
     _threads()
     import torch
 
-    from spread.ps.grpc_transport import RpcServer
+    from spread.ps.grpc_transport import GrpcServer as RpcServer
 
     server = RpcServer("bench", _handlers(torch.randn(NUMEL)), token=token).start()
     conn.send(server.address)
@@ -73,7 +73,7 @@ def _spread_grpc_server(token: str, conn) -> None:
 def bench_spread_grpc(reps: int, calls: int) -> dict[str, list[float]]:
     import torch
 
-    from spread.ps.grpc_transport import RpcClient
+    from spread.ps.grpc_transport import GrpcClient as RpcClient
 
     token = secrets.token_hex(8)
     with _server_process(_spread_grpc_server, token) as (address, _):
@@ -89,7 +89,7 @@ def _spread_zmq_server(token: str, conn) -> None:
     _threads()
     import torch
 
-    from spread.ps.zmq_transport import RpcServer
+    from spread.ps.zmq_transport import ZmqServer as RpcServer
 
     server = RpcServer("bench", _handlers(torch.randn(NUMEL)), token=token).start()
     conn.send(server.address)
@@ -100,7 +100,7 @@ def _spread_zmq_server(token: str, conn) -> None:
 def bench_spread_zmq(reps: int, calls: int) -> dict[str, list[float]]:
     import torch
 
-    from spread.ps.zmq_transport import RpcClient
+    from spread.ps.zmq_transport import ZmqClient as RpcClient
 
     token = secrets.token_hex(8)
     with _server_process(_spread_zmq_server, token) as (address, _):

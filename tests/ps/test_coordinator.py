@@ -166,7 +166,7 @@ def test_dead_parameter_server_is_named_within_the_timeout():
 
 
 def test_schedule_refuses_functions_workers_cannot_find():
-    from spread.ps.coordinator import _function_reference
+    from spread.ps.coordinator_tasks import function_reference as _function_reference
 
     with pytest.raises(ValueError, match="module-level Python function"):
         _function_reference(lambda: None)
@@ -177,7 +177,7 @@ def test_schedule_refuses_functions_workers_cannot_find():
 
 
 def test_a_worker_resolves_only_functions_of_its_script_modules():
-    from spread.ps.coordinator import _resolve_function
+    from spread.ps.coordinator_tasks import resolve_function as _resolve_function
 
     here = {__name__}
     assert _resolve_function(__name__, "_train_step", modules=here) is _train_step
@@ -189,7 +189,7 @@ def test_a_worker_resolves_only_functions_of_its_script_modules():
         (__name__, "nn.Linear"),
         (__name__, "_STATE.clear"),
         (__name__, "no_such_function"),
-        ("spread.ps.coordinator", "_encode"),  # a real function of a module outside the script's
+        ("spread.ps.coordinator_tasks", "encode_value"),  # a real function of a module outside the script's
     ]
     for module, qualname in refused:
         with pytest.raises(SpreadError, match="which this worker does not run"):
@@ -258,3 +258,42 @@ def test_bad_task_timeouts_are_refused():
         spread.ClusterCoordinator(None, task_timeout=0)
     with pytest.raises(ValueError, match="max_task_attempts"):
         spread.ClusterCoordinator(None, task_timeout=1.0, max_task_attempts=0)
+
+
+def _strategy_of(role: str, index: int = 0):
+    """What ClusterCoordinator reads of its strategy, for a task of ``role`` (nothing connects)."""
+    from types import SimpleNamespace
+
+    from spread.cluster import ClusterSpec
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    rank = {"chief": 0, "worker": 1 + index}.get(role, -1)
+    spec = ClusterSpec(
+        role=role, task_index=index, rank=rank, world_size=2, cluster=cluster, source="tf_config"
+    )
+    return SimpleNamespace(
+        cluster=spec,
+        job_token="t",
+        transport="zmq",
+        init_timeout=1.0,
+        client=SimpleNamespace(timeout=1.0),
+        task_step_id=None,
+        wait_for_workers_on_close=True,
+        rank=rank,
+    )
+
+
+def test_the_chief_side_calls_are_refused_clearly_on_a_worker():
+    coordinator = spread.ClusterCoordinator(_strategy_of("worker"))
+    assert coordinator.role == "worker" and coordinator.chief_address == "127.0.0.1:1"
+    for call in (coordinator.stats, coordinator.done):
+        with pytest.raises(
+            SpreadError, match=r"ClusterCoordinator\.\w+ runs on the chief, not on a worker task"
+        ):
+            call()
+    coordinator.shutdown()  # nothing to do on a worker: no error
+
+
+def test_a_task_that_neither_trains_nor_schedules_cannot_coordinate():
+    with pytest.raises(SpreadError, match="runs on the chief and worker tasks, not on a ps"):
+        spread.ClusterCoordinator(_strategy_of("ps"))

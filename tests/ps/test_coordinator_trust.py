@@ -117,9 +117,9 @@ def test_a_recorded_chief_session_replayed_to_a_worker_runs_nothing(job):
     # 1. A real chief (behind a relay at the chief's address that records its answers) runs one
     # task on a real worker, then stops it.
     real = _real_chief(job.cluster, f"127.0.0.1:{free_ports(1)[0]}")
-    relay = Relay(real._server.address, address=job.chief)
+    relay = Relay(real._chief.server.address, address=job.chief)
     try:
-        value = real._enqueue(("__main__", "step"), ("first",), None)
+        value = real._chief.schedule(("__main__", "step"), ("first",), None)
         outcome = {}
         runner = threading.Thread(target=lambda: outcome.update(done=job.run_worker()))
         runner.start()
@@ -156,12 +156,14 @@ def test_a_worker_runs_only_functions_of_its_own_script_even_for_the_real_chief(
     code = f"open({str(job.markers / 'pwned')!r}, 'w').write('pwned')"
     try:
         refused = [
-            real._enqueue(("builtins", "exec"), (code,), None),
-            real._enqueue(("os", "system"), (f"touch {job.markers / 'pwned'}",), None),
-            real._enqueue(("__main__", "Path"), (str(job.markers / "pwned"),), None),  # imported class
-            real._enqueue(("spread.ps.coordinator", "_encode"), (1, {}), None),  # a library function
+            real._chief.schedule(("builtins", "exec"), (code,), None),
+            real._chief.schedule(("os", "system"), (f"touch {job.markers / 'pwned'}",), None),
+            real._chief.schedule(("__main__", "Path"), (str(job.markers / "pwned"),), None),  # imported class
+            real._chief.schedule(
+                ("spread.ps.coordinator_tasks", "encode_value"), (1, {}), None
+            ),  # a library function
         ]
-        ran = real._enqueue(("__main__", "step"), ("allowed",), None)
+        ran = real._chief.schedule(("__main__", "step"), ("allowed",), None)
         outcome = {}
         runner = threading.Thread(target=lambda: outcome.update(done=job.run_worker()))
         runner.start()

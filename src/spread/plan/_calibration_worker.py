@@ -86,15 +86,15 @@ def _ps_transport_samples(
     strategy: MultiWorkerMirroredStrategy, sizes: list[int], reps: int
 ) -> list[list[float]]:
     """Rank 1 serves a push method on the parameter servers' transport; rank 0 times pushes."""
-    from spread.ps.transports import rpc_module
+    from spread.ps.transports import get_transport
 
-    rpc = rpc_module(os.environ.get(spread_env.PS_TRANSPORT, DEFAULT_TRANSPORT))
+    rpc = get_transport(os.environ.get(spread_env.PS_TRANSPORT, DEFAULT_TRANSPORT))
     token = os.environ.get(spread_env.JOB_TOKEN, "calibration")
     port = torch.zeros(1, dtype=torch.int64)
     server = None
     if strategy.rank == 1:
         host = _local_address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        server = rpc.RpcServer("calibration server", {"push": lambda meta, tensors: ({}, {})}, token=token,
+        server = rpc.server("calibration server", {"push": lambda meta, tensors: ({}, {})}, token=token,
                                address=f"{host}:0").start()  # fmt: skip
         port[0] = int(server.address.rsplit(":", 1)[1])
     strategy.collectives.broadcast(port, src=1, name="calibration.port")
@@ -102,7 +102,7 @@ def _ps_transport_samples(
     samples: list[list[float]] = []
     try:
         if strategy.rank == 0:
-            client = rpc.RpcClient(f"{peer_host}:{int(port[0])}", peer="calibration server", token=token)
+            client = rpc.client(f"{peer_host}:{int(port[0])}", peer="calibration server", token=token)
             try:
                 for nbytes in sizes:
                     payload = {"x": torch.ones(max(nbytes // 4, 1))}

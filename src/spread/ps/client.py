@@ -17,9 +17,9 @@ import torch
 
 from spread.errors import ParameterServerError
 from spread.ps.placement import Placement
-from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
+from spread.ps.rpc_api import Message, RpcClient
+from spread.ps.transports import DEFAULT_TRANSPORT, get_transport
 from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES
-from spread.ps.zmq_transport import Message, RpcClient
 
 DEFAULT_TIMEOUT = 60.0
 _CREATE_CHUNK_BYTES = 256 * 1024 * 1024
@@ -32,6 +32,7 @@ class PSClient:
         addresses: ``host:port`` of each server, in task-index order.
         token: the job token.
         timeout: deadline of each call in seconds; a dead server is reported within it, named.
+        transport: the RPC layer's name (:mod:`spread.ps.transports`).
     """
 
     def __init__(
@@ -45,8 +46,8 @@ class PSClient:
         if not addresses:
             raise ValueError("a parameter-server job needs at least one server address")
         self.timeout = timeout
-        client_type = rpc_module(transport).RpcClient
-        self.clients = [
+        client_type = get_transport(transport).client
+        self.clients: list[RpcClient] = [
             client_type(
                 address,
                 peer=f"parameter server {i} ({address})",

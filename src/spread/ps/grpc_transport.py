@@ -1,6 +1,7 @@
 """The RPC layer under the parameter servers and the coordinator, on gRPC (``grpcio``).
 
-Same public API and semantics as :mod:`spread.ps.zmq_transport`, so the transport is chosen by name
+Implements the interfaces of :mod:`spread.ps.rpc_api` (:class:`GrpcServer`, :class:`GrpcClient`,
+:class:`GrpcStream`), like :mod:`spread.ps.zmq_transport`, so the transport is chosen by name
 (:mod:`spread.ps.transports`). Why gRPC: spread's rules ask for a well-kept RPC layer, not a
 home-made network stack, and ``torch.distributed.rpc`` unpickles network bytes (forbidden).
 
@@ -21,21 +22,19 @@ How it maps onto gRPC, without protobuf code generation:
 * Outcomes travel as gRPC status codes: a handler's :class:`RequestRefused` is
   ``FAILED_PRECONDITION``, a malformed frame ``INVALID_ARGUMENT``, a request over the size limit
   ``RESOURCE_EXHAUSTED`` (gRPC refuses it from its declared length, before buffering it), a
-  handler's fault ``INTERNAL``. The client turns them back into the exceptions the socket client
+  handler's fault ``INTERNAL``. The client turns them back into the exceptions the ZeroMQ client
   raises: :class:`JobTokenError`, :class:`WireFormatError` and the client's ``error_type``, each
   naming the server.
 
 Servers bind ``127.0.0.1`` unless given an address (a port in use is an error: ``SO_REUSEPORT`` is
-off); every client call has a deadline; :meth:`RpcServer.stop` joins every thread it started.
+off); every client call has a deadline; :meth:`GrpcServer.stop` joins every thread it started.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # gRPC's C core logs at INFO to stderr (a line per connection a stopping server closes) unless told
@@ -47,18 +46,21 @@ import torch
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
 from spread.ps.rpc_api import (
-    DEFAULT_HOST,
     MAC_BYTES,
+    NONCE_BYTES,
+    SESSION_ID_BYTES,
+    CallContext,
+    CallFailed,
     ClientHandshake,
     Handler,
     Message,
-    RequestRefused,
+    RpcClient,
+    RpcServer,
+    RpcStream,
     Session,
     SessionRefused,
-    SessionTable,
     StreamHandler,
     seq_bytes,
-    split_address,
 )
 from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, encode_parts, header_part
 
@@ -70,12 +72,10 @@ _REQUEST, _ANSWER = b"grpc-request", b"grpc-answer"  # MAC labels: a request nev
 _MAX_MESSAGE = (1 << 31) - 1  # gRPC's limits are C ints
 _WINDOW = ("grpc.http2.lookahead_bytes", 8 << 20)  # a larger receive window: 4 MB push ~30% faster
 _STOP_GRACE = 1.0  # seconds stop() lets calls in flight finish
-_MAX_CONCURRENT_CALLS = 256  # threads are made as calls need them; sync pushes block one each
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _FAULT = grpc.StatusCode.INTERNAL
-_log = logging.getLogger(__name__)
-_start_lock = threading.Lock()
+_threads_lock = threading.Lock()  # one server at a time looks for the threads gRPC starts for it
 
 
 def _target(host: str, port: int) -> str:
@@ -105,24 +105,30 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-class CallContext:
-    """What a streaming handler may ask about its call: is the caller still connected?"""
+def _threads_started(action: Callable[[], object], name_suffix: str) -> list[threading.Thread]:
+    """The threads named ``...name_suffix`` that ``action`` started (gRPC names its threads after
+    their function), so that a server can join what gRPC started for it."""
+    with _threads_lock:
+        before = set(threading.enumerate())
+        action()
+        return [t for t in set(threading.enumerate()) - before if t.name.endswith(name_suffix)]
 
-    def __init__(self, context: grpc.ServicerContext, server: RpcServer) -> None:
+
+class GrpcCallContext(CallContext):
+    """A stream's caller is there while gRPC says the call is active. gRPC reports the end from
+    its own thread, possibly while the handler is parked at a ``yield`` it will never resume from:
+    the end callbacks then run at once, else when the handler returns."""
+
+    def __init__(self, context: grpc.ServicerContext, server: GrpcServer) -> None:
+        super().__init__()
         self._context = context
         self._server = server
-        self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._ended = False
         self._running = True  # the handler's code is executing (not parked at a yield)
 
     def is_active(self) -> bool:
-        """False once the caller cancelled, closed the connection or died, or the server stopped."""
         return not self._ended and not self._server._stopping.is_set() and self._context.is_active()
-
-    def on_end(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once when the call ends for any reason (the caller died included)."""
-        self._callbacks.append(callback)
 
     def _terminated(self) -> None:
         """gRPC says the call is over: end now if the handler is parked at a yield (it will not
@@ -131,7 +137,7 @@ class CallContext:
             if self._running or self._ended:
                 return
             self._ended = True
-        self._run_callbacks()
+        self._run_end_callbacks()
 
     def _park(self) -> None:
         with self._lock:
@@ -150,21 +156,14 @@ class CallContext:
             if self._ended:
                 return
             self._ended = True
-        self._run_callbacks()
-
-    def _run_callbacks(self) -> None:
-        for callback in self._callbacks:
-            try:
-                callback()
-            except Exception:
-                _log.exception("stream end callback failed")
+        self._run_end_callbacks()
 
 
 class _Dispatcher(grpc.GenericRpcHandler):
     """Routes every call: the handshake, streams, and unary methods (unknown ones are refused by the
     unary path, after the caller's session is checked)."""
 
-    def __init__(self, server: RpcServer) -> None:
+    def __init__(self, server: GrpcServer) -> None:
         self._server = server
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -189,20 +188,11 @@ def _unary(behavior: Callable[[bytes, grpc.ServicerContext], bytes]) -> grpc.Rpc
     )
 
 
-class RpcServer:
-    """Serve ``handlers`` (method name -> function of ``(meta, tensors)``) for one job.
+class GrpcServer(RpcServer):
+    """:class:`~spread.ps.rpc_api.RpcServer` on a gRPC server with one generic handler; gRPC
+    refuses a request over ``max_frame_bytes`` from its declared length, unread."""
 
-    Args:
-        name: who this server is, in logs and in messages sent to callers (``"parameter server 1"``).
-        handlers: unary methods; a handler returns ``(meta, tensors)`` or raises
-            :class:`RequestRefused` (the caller gets the message) or any other exception (a fault;
-            the caller gets its type and message, the server keeps serving).
-        stream_handlers: methods answering with a sequence of messages (a generator).
-        token: the job token; calls outside a session that proved it are refused before anything
-            else (:mod:`spread.ps.rpc_api`).
-        address: ``host:port`` to bind; default ``127.0.0.1`` on a free port.
-        max_frame_bytes: the largest request accepted (gRPC refuses larger ones unread).
-    """
+    transport = "grpc"
 
     def __init__(
         self,
@@ -214,16 +204,14 @@ class RpcServer:
         address: str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self.name = name
-        self._sessions = SessionTable(token)
-        self._handlers = dict(handlers)
-        self._streams = dict(stream_handlers or {})
-        self._max_frame_bytes = max_frame_bytes
-        self.refused_connections = 0
-        self._count_lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._pool_prefix = f"spread-grpc-{name}"
-        self._executor = ThreadPoolExecutor(_MAX_CONCURRENT_CALLS, thread_name_prefix=self._pool_prefix)
+        super().__init__(
+            name,
+            handlers,
+            token=token,
+            stream_handlers=stream_handlers,
+            address=address,
+            max_frame_bytes=max_frame_bytes,
+        )
         options = [
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
             ("grpc.max_receive_message_length", min(max_frame_bytes, _MAX_MESSAGE)),
@@ -234,7 +222,7 @@ class RpcServer:
             _WINDOW,
         ]
         self._server = grpc.server(self._executor, handlers=[_Dispatcher(self)], options=options)
-        host, port = split_address(address) if address else (DEFAULT_HOST, 0)
+        host, port = self._bind_host, self._bind_port
         try:
             bound = self._server.add_insecure_port(_target(host, port))
         except RuntimeError as exc:
@@ -247,29 +235,25 @@ class RpcServer:
         self.address = f"{host}:{bound}"
         self._serve_thread: threading.Thread | None = None
 
-    def start(self) -> RpcServer:
-        with _start_lock:  # find the one polling thread gRPC starts, to join it in stop()
-            before = set(threading.enumerate())
-            self._server.start()
-            started = [t for t in set(threading.enumerate()) - before if t.name.endswith("(_serve)")]
+    def start(self) -> GrpcServer:
+        started = _threads_started(self._server.start, "(_serve)")  # gRPC's polling thread
         self._serve_thread = started[0] if len(started) == 1 else None
         return self
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`stop` was called; True if it was within ``timeout``."""
-        return self._stopping.wait(timeout)
-
     def stop(self) -> None:
-        """Cancel every call, close the port, and join every thread this server started."""
         self._stopping.set()  # streams see their calls end (is_active) and return
         # Calls already handled get a moment to deliver their answers (a stop call's own, a
         # stream's last item); what is still running then is cancelled, like closing sockets.
-        self._server.stop(_STOP_GRACE).wait()
+        stopped: list[threading.Event] = []
+        cancelling = _threads_started(
+            lambda: stopped.append(self._server.stop(_STOP_GRACE)), "(cancel_all_calls_after_grace)"
+        )
+        stopped[0].wait()
         inside = threading.current_thread()
-        if self._serve_thread is not None and self._serve_thread is not inside:
-            self._serve_thread.join()
-        # Handlers still running (a sync push waiting for its round) finish on their own deadline.
-        self._executor.shutdown(wait=not inside.name.startswith(self._pool_prefix))
+        for thread in (self._serve_thread, *cancelling):
+            if thread is not None and thread is not inside:
+                thread.join()  # the cancelling thread ends just after gRPC reports the stop
+        self._release_handlers()
 
     # -- calls -------------------------------------------------------------------------------------
     def _hello(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -297,8 +281,7 @@ class RpcServer:
             )
         except SessionRefused as exc:
             if not exc.unknown:
-                with self._count_lock:
-                    self.refused_connections += 1
+                self._count_refusal()
             context.set_trailing_metadata(((REFUSAL_KEY, "no-session" if exc.unknown else "denied"),))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self.name} refused the request: {exc}")
         return session, seq
@@ -312,16 +295,10 @@ class RpcServer:
             meta, tensors = self._decode(request)
         except WireFormatError as exc:
             context.abort(_INVALID, f"{self.name}: {exc}")
-        handler = self._handlers.get(method)
-        if handler is None:
-            context.abort(_REFUSED, f"{self.name}: unknown method {method!r}")
         try:
-            answer = handler(meta, tensors)
-        except RequestRefused as exc:
-            context.abort(_REFUSED, f"{self.name}: {exc}")
-        except Exception as exc:
-            _log.exception("%s: %s failed", self.name, method)
-            context.abort(_FAULT, f"{self.name}: {type(exc).__name__}: {exc}")
+            answer = self._invoke(method, meta, tensors)
+        except CallFailed as exc:
+            context.abort(_FAULT if exc.fault else _REFUSED, str(exc))
         frame = _frame(answer)
         mac = session.mac(_ANSWER, seq, b"OK", header_part(frame))
         context.set_trailing_metadata(((MAC_KEY, mac.hex()),))
@@ -335,7 +312,7 @@ class RpcServer:
             context.set_code(_INVALID)
             context.set_details(f"{self.name}: {exc}")
             return
-        call = CallContext(context, self)
+        call = GrpcCallContext(context, self)
         context.add_callback(call._terminated)  # False: already over; is_active() says so
         messages = self._streams[method](meta, tensors, call)
         index = 0
@@ -353,31 +330,18 @@ class RpcServer:
                 return
             end = session.mac(_ANSWER, seq, b"end", seq_bytes(index))
             context.set_trailing_metadata(((MAC_KEY, end.hex()),))
-        except RequestRefused as exc:
-            context.set_code(_REFUSED)
-            context.set_details(f"{self.name}: {exc}")
         except Exception as exc:
-            _log.exception("%s: stream %s failed", self.name, method)
-            context.set_code(_FAULT)
-            context.set_details(f"{self.name}: {type(exc).__name__}: {exc}")
+            failure = self._failure(method, exc)
+            context.set_code(_FAULT if failure.fault else _REFUSED)
+            context.set_details(str(failure))
         finally:
             messages.close()
             call._end()
 
 
-class RpcClient:
-    """Calls to one server: a deadline on each, errors naming the peer, and byte counters.
-
-    Thread-safe: concurrent calls share one gRPC channel (HTTP/2 streams over one connection).
-
-    Args:
-        address: the server's ``host:port``.
-        peer: how errors name the server (``"parameter server 1 (10.0.0.2:2222)"``).
-        token: the job token (proved in each call's metadata, and required of the server; never sent).
-        timeout: default deadline of a call, in seconds.
-        error_type: the :class:`RemoteCallError` subclass raised for failed calls.
-        max_frame_bytes: the largest answer accepted.
-    """
+class GrpcClient(RpcClient):
+    """:class:`~spread.ps.rpc_api.RpcClient` on one gRPC channel: concurrent calls share it (HTTP/2
+    streams over one connection) and one session."""
 
     def __init__(
         self,
@@ -389,19 +353,16 @@ class RpcClient:
         error_type: type[RemoteCallError] = RemoteCallError,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self.address = address
-        self.peer = peer
-        self.timeout = timeout
-        host, port = split_address(address)
-        self._token = token
+        super().__init__(
+            address,
+            peer=peer,
+            token=token,
+            timeout=timeout,
+            error_type=error_type,
+            max_frame_bytes=max_frame_bytes,
+        )
         self._session: Session | None = None
         self._session_lock = threading.Lock()  # one handshake at a time
-        self._error_type = error_type
-        self._max_frame_bytes = max_frame_bytes
-        self._lock = threading.Lock()
-        self._closed = False
-        self.bytes_sent = 0
-        self.bytes_received = 0
         options = [
             ("grpc.enable_http_proxy", 0),  # a proxy set in the environment must not see job traffic
             ("grpc.max_receive_message_length", min(max_frame_bytes, _MAX_MESSAGE)),
@@ -414,18 +375,13 @@ class RpcClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        self._channel = grpc.insecure_channel(_target(host, port), options=options)
+        self._channel = grpc.insecure_channel(_target(self._host, self._port), options=options)
         self._unary: dict[str, grpc.UnaryUnaryMultiCallable] = {}
-
-    def _count(self, sent: int, received: int) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
 
     def _method(self, method: str, op: str) -> grpc.UnaryUnaryMultiCallable:
         with self._lock:
             if self._closed:
-                raise self._error_type(self.peer, op, "the client was closed")
+                raise self._closed_error(op)
             stub = self._unary.get(method)
             if stub is None:
                 stub = self._unary[method] = self._channel.unary_unary(
@@ -437,7 +393,7 @@ class RpcClient:
             return stub
 
     def _error(self, exc: grpc.RpcError, op: str, budget: float | None, wait_for_ready: bool) -> Exception:
-        """The spread exception for a failed call (the same types the socket client raises)."""
+        """The spread exception for a failed call (the same types the ZeroMQ client raises)."""
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return JobTokenError(f"{self.peer}: {op} refused: {details}")
@@ -447,29 +403,14 @@ class RpcClient:
             return WireFormatError(f"{self.peer}: {op} refused: frame over the size limit ({details})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             what = "not reachable or no answer" if wait_for_ready else "no answer"
-            return self._error_type(self.peer, op, f"{what} within {budget:g}s")
+            return self._failed(op, f"{what} within {budget:g}s")
         if code == grpc.StatusCode.UNAVAILABLE:
-            return self._error_type(
-                self.peer, op, f"unreachable or connection lost (it died or never started): {details}"
-            )
+            return self._failed(op, f"unreachable or connection lost (it died or never started): {details}")
         if code == grpc.StatusCode.CANCELLED and self._closed:
-            return self._error_type(self.peer, op, "the client was closed")
+            return self._closed_error(op)
         if code in (_REFUSED, _FAULT):
-            return self._error_type(self.peer, op, details)
-        return self._error_type(self.peer, op, f"{code.name}: {details}")
-
-    def _impostor(self, op: str) -> JobTokenError:
-        return JobTokenError(
-            f"{self.peer}: {op} refused: its SPREAD_JOB_TOKEN does not match this job's: it could not prove "
-            f"the token (another job's server, or a process impersonating it at {self.address}); nothing "
-            f"was sent to it"
-        )
-
-    def _forged(self, op: str) -> JobTokenError:
-        return JobTokenError(
-            f"{self.peer}: {op} refused: an answer did not prove this job's SPREAD_JOB_TOKEN (a forged or "
-            f"replayed message from {self.address}); the call was abandoned"
-        )
+            return self._failed(op, details)
+        return self._failed(op, f"{code.name}: {details}")
 
     def _open_session(self, op: str, budget: float, wait_for_ready: bool, *, fresh: bool = False) -> Session:
         """This client's session, opened by a handshake if there is none (or ``fresh``)."""
@@ -487,11 +428,14 @@ class RpcClient:
                     raise self._error(exc, op, budget, wait_for_ready) from None
                 raise self._impostor(op) from None
             except ValueError as exc:  # the channel was closed under this call
-                raise self._error_type(self.peer, op, f"the client was closed ({exc})") from None
+                raise self._failed(op, f"the client was closed ({exc})") from None
             view = memoryview(answer)
             session = None
-            if len(answer) == 2 * 16 + MAC_BYTES:
-                session = handshake.finish(view[:16], view[16:32], view[32:])
+            if len(answer) == SESSION_ID_BYTES + NONCE_BYTES + MAC_BYTES:
+                nonce_at = SESSION_ID_BYTES + NONCE_BYTES
+                session = handshake.finish(
+                    view[:SESSION_ID_BYTES], view[SESSION_ID_BYTES:nonce_at], view[nonce_at:]
+                )
             if session is None:
                 raise self._impostor(op)
             self._session = session
@@ -516,13 +460,6 @@ class RpcClient:
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message:
-        """One request and its answer, within ``timeout`` seconds (default: the client's).
-
-        ``wait_for_ready`` keeps trying to connect (within the deadline) to a server that has not
-        started yet, instead of failing at once. Raises :class:`JobTokenError` when the server
-        refuses this job token or cannot prove it, :class:`WireFormatError` when it refuses the
-        frame, and the client's ``error_type`` (naming the peer and ``method``) for everything else.
-        """
         stub = self._method(method, method)
         budget = self.timeout if timeout is None else timeout
         request = b"".join(encode_parts(meta, tensors))
@@ -540,7 +477,7 @@ class RpcClient:
                     continue
                 raise self._error(exc, method, budget, wait_for_ready) from None
             except ValueError as exc:  # the channel was closed under this call
-                raise self._error_type(self.peer, method, f"the client was closed ({exc})") from None
+                raise self._failed(method, f"the client was closed ({exc})") from None
             mac = _hex(_metadata(call.trailing_metadata()).get(MAC_KEY))
             if not session.verify(mac, _ANSWER, seq, b"OK", header_part(answer)):
                 raise self._forged(method)
@@ -550,18 +487,13 @@ class RpcClient:
 
     def stream(
         self, method: str, meta: Mapping[str, Any] | None = None, *, connect_timeout: float | None = None
-    ) -> Stream:
-        """Open a streaming call (it waits for the server to start, within ``connect_timeout``).
-
-        A fresh handshake comes first, so an unreachable server, a wrong token or an impostor is
-        reported here; the stream itself has no deadline (it lasts as long as the server keeps
-        answering).
-        """
+    ) -> GrpcStream:
+        """See :meth:`RpcClient.stream`; a fresh handshake comes first (the stream's session)."""
         budget = self.timeout if connect_timeout is None else connect_timeout
         session = self._open_session(method, budget, True, fresh=True)
         with self._lock:
             if self._closed:
-                raise self._error_type(self.peer, method, "the client was closed")
+                raise self._closed_error(method)
             stub = self._channel.unary_stream(
                 f"/{SERVICE}/{method}",
                 request_serializer=_identity,
@@ -571,7 +503,7 @@ class RpcClient:
         request = b"".join(encode_parts(meta, None))
         seq, metadata = self._signed(session, method, request)
         self._count(len(request), 0)
-        return Stream(self, method, stub(request, metadata=metadata, wait_for_ready=True), session, seq)
+        return GrpcStream(self, method, stub(request, metadata=metadata, wait_for_ready=True), session, seq)
 
     def close(self) -> None:
         with self._lock:
@@ -581,10 +513,10 @@ class RpcClient:
         self._channel.close()
 
 
-class Stream:
-    """The messages of a streaming call, in order; :meth:`cancel` ends it from this side."""
+class GrpcStream(RpcStream):
+    """A gRPC ``unary_stream`` call whose items each prove their place in the stream."""
 
-    def __init__(self, client: RpcClient, op: str, call: Any, session: Session, seq: bytes) -> None:
+    def __init__(self, client: GrpcClient, op: str, call: Any, session: Session, seq: bytes) -> None:
         self._client, self._op, self._call = client, op, call
         self._session, self._seq = session, seq
         self._cancelled = False

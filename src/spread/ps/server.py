@@ -6,8 +6,9 @@ Contract with the clients (:mod:`spread.ps.client`):
   optimizer spec) and the initial value of each shard; creating a shard that exists is a no-op
   unless ``overwrite`` (a restore).
 * ``push``: a step's gradients (dense shards whole, embedding shards as ``rows`` + ``values``) under a
-  step id. **Exactly once:** a step id already applied is counted as a duplicate and ignored, so a
-  step retried after a lost answer, or rescheduled after its worker died, is never applied twice.
+  step id (an opaque string here; :mod:`spread.ps.step_ids` says how clients make them). **Exactly
+  once:** a step id already applied is counted as a duplicate and ignored, so a step retried after a
+  lost answer, or rescheduled after its worker died, is never applied twice.
   The answer carries the fresh values of the shards named in ``pull`` (one round trip per step).
 * ``mode="sync"``: each training worker pushes its share of step ``t`` (already weighted by its
   sample count); the server sums them in worker order once all arrived, applies one update, and
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 
 from spread.ps.optimizers import ServerOptimizer
-from spread.ps.transports import DEFAULT_TRANSPORT, rpc_module
+from spread.ps.rpc_api import Message, RequestRefused, RpcServer
+from spread.ps.step_ids import sync_round
+from spread.ps.transports import DEFAULT_TRANSPORT, get_transport
 from spread.ps.wire import Tensors
 
 MODES = ("async", "sync")
@@ -56,9 +59,7 @@ class ParameterServer:
         self._failed: set[int] = set()  # training workers whose script ended with an error
         self._cond = threading.Condition()
         self._stop_requested = threading.Event()
-        rpc = rpc_module(transport)
-        self._refused = rpc.RequestRefused  # how a handler refuses a request on this transport
-        self.rpc = rpc.RpcServer(
+        self.rpc: RpcServer = get_transport(transport).server(
             self.name,
             {
                 "create": self._create,
@@ -88,13 +89,13 @@ class ParameterServer:
         self.rpc.stop()
 
     # -- handlers ----------------------------------------------------------------------------------
-    def _create(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _create(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         config = meta.get("config") or {}
         with self._cond:
             if config:
                 mode = config.get("mode", "async")
                 if mode not in MODES:
-                    raise self._refused(f"mode must be one of {MODES}, got {mode!r}")
+                    raise RequestRefused(f"mode must be one of {MODES}, got {mode!r}")
                 self.mode = mode
                 self.num_workers = int(config.get("num_workers", 1))
                 staleness = config.get("max_staleness")
@@ -144,7 +145,7 @@ class ParameterServer:
         while missing := [n for n in names if n not in self.variables]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._refused(f"variables {missing[:5]} were not created within {timeout:g}s (chief?)")
+                raise RequestRefused(f"variables {missing[:5]} were not created within {timeout:g}s (chief?)")
             self._cond.wait(remaining)
 
     def _read(self, names: list[str], tensors: Tensors) -> Tensors:
@@ -152,7 +153,7 @@ class ParameterServer:
         for name in names:
             var = self.variables.get(name)
             if var is None:
-                raise self._refused(f"unknown variable {name!r}")
+                raise RequestRefused(f"unknown variable {name!r}")
             rows = tensors.get(f"{name}:rows")
             if rows is None:
                 # No copy: the answer is encoded from the live variable. In sync mode nothing is
@@ -165,7 +166,7 @@ class ParameterServer:
                 out[name] = var.index_select(0, rows)  # as var[rows], several times faster
         return out
 
-    def _pull(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _pull(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         names = list(meta.get("names", []))
         with self._cond:
             self._wait_for_variables(names, float(meta.get("wait", 0.0)))
@@ -173,25 +174,25 @@ class ParameterServer:
 
     def _check_rows(self, name: str, rows: torch.Tensor, var: torch.Tensor) -> None:
         if rows.dtype != torch.int64 or rows.dim() != 1:
-            raise self._refused(f"rows of {name!r} must be a 1-D int64 tensor")
+            raise RequestRefused(f"rows of {name!r} must be a 1-D int64 tensor")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= var.shape[0]):
-            raise self._refused(f"rows of {name!r} out of range [0, {var.shape[0]})")
+            raise RequestRefused(f"rows of {name!r} out of range [0, {var.shape[0]})")
 
     def _check_push(self, meta: dict[str, Any], tensors: Tensors) -> None:
         if self.optimizer is None:
             spec = meta.get("optimizer")
             if not spec:
-                raise self._refused("no optimizer configured; the first push must carry its spec")
+                raise RequestRefused("no optimizer configured; the first push must carry its spec")
             self.optimizer = ServerOptimizer(spec)
         elif meta.get("optimizer"):
             try:
                 self.optimizer.check_same_kind(meta["optimizer"])
             except ValueError as exc:
-                raise self._refused(str(exc)) from None
+                raise RequestRefused(str(exc)) from None
         for key in meta.get("dense", []):
             var, grad = self.variables.get(key), tensors.get(key)
             if var is None or grad is None or grad.shape != var.shape:
-                raise self._refused(f"dense gradient for {key!r} missing or of the wrong shape")
+                raise RequestRefused(f"dense gradient for {key!r} missing or of the wrong shape")
         for key in meta.get("sparse", []):
             var, rows, values = (
                 self.variables.get(key),
@@ -199,10 +200,10 @@ class ParameterServer:
                 tensors.get(f"{key}:values"),
             )
             if var is None or rows is None or values is None:
-                raise self._refused(f"sparse gradient for {key!r} incomplete")
+                raise RequestRefused(f"sparse gradient for {key!r} incomplete")
             self._check_rows(key, rows, var)
             if values.shape != (rows.numel(), *var.shape[1:]):
-                raise self._refused(f"sparse values for {key!r} have shape {tuple(values.shape)}")
+                raise RequestRefused(f"sparse values for {key!r} have shape {tuple(values.shape)}")
 
     def _apply(self, meta: dict[str, Any], tensors: Tensors) -> None:
         hyper = meta.get("optimizer") or self.optimizer.spec  # type: ignore[union-attr]
@@ -217,7 +218,7 @@ class ParameterServer:
         self.version += 1
         self.applied += 1
 
-    def _push(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _push(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         step_id = str(meta.get("step_id", ""))
         worker, step = int(meta.get("worker", 0)), int(meta.get("step", 0))
         wait = float(meta.get("wait", DEFAULT_WAIT))
@@ -253,7 +254,7 @@ class ParameterServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.num_workers)) - set(self._pending.get(step, {})))
-                raise self._refused(
+                raise RequestRefused(
                     f"sync step {step}: waited {wait:g}s for the gradients of worker(s) {missing}"
                 )
             self._cond.wait(remaining)
@@ -280,7 +281,7 @@ class ParameterServer:
             summed[f"{key}:rows"], summed[f"{key}:values"] = unique, total
         meta0["dense"], meta0["sparse"] = dense, sparse
         self._apply(meta0, summed)
-        self.applied_ids.add(f"sync:{step}")
+        self.applied_ids.add(sync_round(step).encode())
         self._cond.notify_all()
         if self.version in self._pending and len(self._pending[self.version]) == self.num_workers:
             self._apply_sync(self.version)
@@ -296,13 +297,13 @@ class ParameterServer:
         while lagging := slow():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._refused(
+                raise RequestRefused(
                     f"max_staleness={self.max_staleness}: worker {worker} at step {clock} waited {wait:g}s "
                     f"for worker(s) {lagging}"
                 )
             self._cond.wait(remaining)
 
-    def _stats(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _stats(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         with self._cond:
             out: dict[str, Any] = {
                 "applied": self.applied,
@@ -317,7 +318,7 @@ class ParameterServer:
                 out["applied_ids"] = sorted(self.applied_ids)
         return out, {}
 
-    def _worker_done(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _worker_done(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         with self._cond:
             self._done.add(int(meta["worker"]))
             if meta.get("failed"):
@@ -325,11 +326,11 @@ class ParameterServer:
             self._cond.notify_all()
             return {"done": sorted(self._done)}, {}
 
-    def _stop(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _stop(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         self._stop_requested.set()
         return {"stopping": True}, {}
 
-    def _state(self, meta: dict[str, Any], tensors: Tensors) -> tuple[dict, Tensors]:
+    def _state(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         """Every shard and its optimizer state, for a checkpoint."""
         with self._cond:
             out = {key: var.clone() for key, var in self.variables.items()}

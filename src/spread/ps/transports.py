@@ -1,6 +1,7 @@
 """Pick the RPC layer by name: ``"zmq"`` (:mod:`spread.ps.zmq_transport`, ZeroMQ, the default) or
-``"grpc"`` (:mod:`spread.ps.grpc_transport`). Both offer the same ``RpcServer``/``RpcClient``/
-``RequestRefused`` API, so servers, clients and the coordinator are written once.
+``"grpc"`` (:mod:`spread.ps.grpc_transport`). Both implement the interfaces of
+:mod:`spread.ps.rpc_api` (``RpcServer``, ``RpcClient``, ``RpcStream``, ``CallContext``), so servers,
+clients and the coordinator are written once, against those.
 
 Why these two and this default (``benchmarks/ps_transport.py``,
 ``docs/results/2026-11-23-ps-transport.md``): both are
@@ -12,18 +13,32 @@ project keeps no home-made network stack."""
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from dataclasses import dataclass
+
+from spread.ps.rpc_api import RpcClient, RpcServer
 
 DEFAULT_TRANSPORT = "zmq"  # what ParameterServerStrategy uses unless SPREAD_PS_TRANSPORT says otherwise
-TRANSPORTS = {
-    "grpc": "spread.ps.grpc_transport",
-    "zmq": "spread.ps.zmq_transport",
-}
+TRANSPORTS = ("grpc", "zmq")
 
 
-def rpc_module(name: str) -> ModuleType:
-    """The module implementing transport ``name`` (imported on first use)."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {name!r}")
-    return importlib.import_module(TRANSPORTS[name])
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """One RPC layer: its name and the classes that implement the :mod:`spread.ps.rpc_api` interfaces
+    (constructed with the arguments those document)."""
+
+    name: str
+    server: type[RpcServer]
+    client: type[RpcClient]
+
+
+def get_transport(name: str) -> Transport:
+    """Transport ``name``; its module is imported on first use (gRPC's takes a while to load)."""
+    if name == "zmq":
+        from spread.ps.zmq_transport import ZmqClient, ZmqServer
+
+        return Transport(name, ZmqServer, ZmqClient)
+    if name == "grpc":
+        from spread.ps.grpc_transport import GrpcClient, GrpcServer
+
+        return Transport(name, GrpcServer, GrpcClient)
+    raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {name!r}")

@@ -1,7 +1,8 @@
 """The RPC layer under the parameter servers and the coordinator, on ZeroMQ (``pyzmq``).
 
-Same public API and semantics as :mod:`spread.ps.grpc_transport`, so the transport is chosen by
-name (:mod:`spread.ps.transports`). Why ZeroMQ: spread's rules ask for a well-kept network library,
+Implements the interfaces of :mod:`spread.ps.rpc_api` (:class:`ZmqServer`, :class:`ZmqClient`,
+:class:`ZmqStream`), like :mod:`spread.ps.grpc_transport`, so the transport is chosen by name
+(:mod:`spread.ps.transports`). Why ZeroMQ: spread's rules ask for a well-kept network library,
 not a home-made stack, and ZeroMQ moves multipart messages without the copies that made gRPC's
 Python binding several times slower on 4 MB tensors.
 
@@ -26,13 +27,13 @@ How it maps onto ZeroMQ:
   a stream's item to its place in the stream); the client drops the call on an answer that fails
   it. Refusals the server cannot tie to a session (``DENIED``, ``NO_SESSION``, a malformed
   envelope) carry no MAC and only ever end a call. A stream answers ``STREAM_OPEN`` (so a wrong
-  token or an unreachable chief is reported by :meth:`RpcClient.stream`), then items, then
+  token or an unreachable chief is reported by :meth:`ZmqClient.stream`), then items, then
   ``STREAM_END``; the caller cancels with a ``CANCEL`` message naming the request id.
 * ``zmq.MAXMSGSIZE`` = ``max_frame_bytes``: ZeroMQ drops a connection whose next part declares more,
   before allocating it (the caller sees the connection dropped); a frame whose parts add up to more
   is refused, and :func:`spread.ps.wire.decode` validates every frame.
 
-Servers bind ``127.0.0.1`` unless given an address; :meth:`RpcServer.stop` joins every thread it
+Servers bind ``127.0.0.1`` unless given an address; :meth:`ZmqServer.stop` joins every thread it
 started and terminates its ZeroMQ context.
 """
 
@@ -44,8 +45,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,17 +54,18 @@ from zmq.utils.monitor import parse_monitor_message
 
 from spread.errors import JobTokenError, RemoteCallError, SpreadError, WireFormatError
 from spread.ps.rpc_api import (
-    DEFAULT_HOST,
+    CallContext,
+    CallFailed,
     ClientHandshake,
     Handler,
     Message,
-    RequestRefused,
+    RpcClient,
+    RpcServer,
+    RpcStream,
     Session,
     SessionRefused,
-    SessionTable,
     StreamHandler,
     seq_bytes,
-    split_address,
 )
 from spread.ps.wire import DEFAULT_MAX_FRAME_BYTES, decode, decode_parts, encode_parts
 
@@ -74,7 +75,6 @@ OK, REFUSED, INVALID, FAULT, DENIED, STREAM_OPEN, STREAM_ITEM, STREAM_END, HEART
 )
 _UNSIGNED = (DENIED, NO_SESSION)  # refusals not tied to a session: they can only end a call
 _REQUEST, _ANSWER = b"zmq-request", b"zmq-answer"  # MAC labels: a request never passes as an answer
-_MAX_CONCURRENT_CALLS = 256  # threads are made as calls need them; sync pushes block one each
 _MAX_PARTS = 4096  # a frame's header and tensors; more is refused before decoding
 _HEARTBEAT_MS = 10_000  # ZMTP heartbeats: notice a peer whose host died (no FIN ever comes)
 _PROBE_INTERVAL = 0.5  # at most one liveness probe per stream this often
@@ -133,19 +133,19 @@ def _shared_context() -> zmq.Context:
         return _client_context[1]
 
 
-class CallContext:
-    """What a streaming handler may ask about its call: is the caller still connected?"""
+class ZmqCallContext(CallContext):
+    """A stream's caller is still there until it cancels, or its socket is found gone: the I/O
+    thread probes it with a heartbeat now and then (the probe's send fails once it left)."""
 
-    def __init__(self, server: RpcServer, identity: bytes, rid: bytes, session: Session) -> None:
+    def __init__(self, server: ZmqServer, identity: bytes, rid: bytes, session: Session) -> None:
+        super().__init__()
         self._server, self._identity, self._rid = server, identity, rid
         self._session = session
         self._index = 0  # the place of the next answer in this stream (bound by its MAC)
-        self._callbacks: list[Callable[[], None]] = []
         self._gone = False  # the caller cancelled, or its connection is gone
         self._last_probe = 0.0
 
     def is_active(self) -> bool:
-        """False once the caller cancelled, closed the connection or died, or the server stopped."""
         if self._gone or self._server._stopping.is_set():
             return False
         now = time.monotonic()
@@ -154,32 +154,12 @@ class CallContext:
             self._server._send([self._identity, self._rid, HEARTBEAT], probe=self)
         return not self._gone
 
-    def on_end(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once when the call ends for any reason (the caller died included)."""
-        self._callbacks.append(callback)
 
-    def _end(self) -> None:
-        for callback in self._callbacks:
-            try:
-                callback()
-            except Exception:
-                _log.exception("stream end callback failed")
+class ZmqServer(RpcServer):
+    """:class:`~spread.ps.rpc_api.RpcServer` on one ``ROUTER`` socket driven by one I/O thread;
+    ``max_frame_bytes`` is also ZeroMQ's ``MAXMSGSIZE`` (a larger part drops the connection)."""
 
-
-class RpcServer:
-    """Serve ``handlers`` (method name -> function of ``(meta, tensors)``) for one job.
-
-    Args:
-        name: who this server is, in logs and in messages sent to callers (``"parameter server 1"``).
-        handlers: unary methods; a handler returns ``(meta, tensors)`` or raises
-            :class:`RequestRefused` (the caller gets the message) or any other exception (a fault;
-            the caller gets its type and message, the server keeps serving).
-        stream_handlers: methods answering with a sequence of messages (a generator).
-        token: the job token; requests outside a session that proved it are refused before anything
-            else (:mod:`spread.ps.rpc_api`).
-        address: ``host:port`` to bind; default ``127.0.0.1`` on a free port.
-        max_frame_bytes: the largest request accepted.
-    """
+    transport = "zmq"
 
     def __init__(
         self,
@@ -191,18 +171,19 @@ class RpcServer:
         address: str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self.name = name
-        self._sessions = SessionTable(token)
-        self._handlers = dict(handlers)
-        self._streams = dict(stream_handlers or {})
-        self._max_frame_bytes = max_frame_bytes
-        self.refused_connections = 0
-        self._stopping = threading.Event()
+        super().__init__(
+            name,
+            handlers,
+            token=token,
+            stream_handlers=stream_handlers,
+            address=address,
+            max_frame_bytes=max_frame_bytes,
+        )
         self._busy = 0  # unary calls being handled (their answers are awaited by stop())
         self._idle = threading.Condition(threading.Lock())
-        self._contexts: dict[bytes, CallContext] = {}  # open streams by request id
+        self._contexts: dict[bytes, ZmqCallContext] = {}  # open streams by request id
         self._lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[tuple[list[Any], CallContext | None]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[list[Any], ZmqCallContext | None]] = queue.SimpleQueue()
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -211,7 +192,7 @@ class RpcServer:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self._router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_MS)
-        host, port = split_address(address) if address else (DEFAULT_HOST, 0)
+        host, port = self._bind_host, self._bind_port
         if ":" in host:
             self._router.setsockopt(zmq.IPV6, 1)
         try:
@@ -219,25 +200,20 @@ class RpcServer:
         except zmq.ZMQError as exc:
             self._router.close(0)
             self._context.term()
+            self._executor.shutdown(wait=False)
             raise OSError(f"{name}: cannot listen on {host}:{port}: {exc}") from None
         bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2]
         self.address = f"{host}:{bound}"
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
-        self._pool_prefix = f"spread-zmq-{name}"
-        self._executor = ThreadPoolExecutor(_MAX_CONCURRENT_CALLS, thread_name_prefix=self._pool_prefix)
         self._io = threading.Thread(target=self._io_loop, name=f"spread-zmq-{name}-io", daemon=True)
 
-    def start(self) -> RpcServer:
+    def start(self) -> ZmqServer:
         self._io.start()
         return self
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`stop` was called; True if it was within ``timeout``."""
-        return self._stopping.wait(timeout)
-
     def stop(self) -> None:
-        """End every call, close the port, join every thread this server started, end the context.
+        """As :meth:`RpcServer.stop`, and the ZeroMQ context ends too.
 
         Calls already being handled get ``_DRAIN_SECONDS`` to answer, and every answer produced
         gets ``_LINGER_MS`` to leave (a ``stop`` call's own answer, a stream's last item).
@@ -245,7 +221,7 @@ class RpcServer:
         if self._stopping.is_set():
             return
         inside = threading.current_thread()
-        if not inside.name.startswith(self._pool_prefix):
+        if not self._on_handler_thread():
             deadline = time.monotonic() + _DRAIN_SECONDS
             with self._idle:
                 while self._busy and time.monotonic() < deadline:
@@ -256,8 +232,7 @@ class RpcServer:
             self._io.join()
         elif not self._io.is_alive() and not self._io.ident:
             self._router.close(0)  # never started
-        # Handlers still running (a sync push waiting for its round) finish on their own deadline.
-        self._executor.shutdown(wait=not inside.name.startswith(self._pool_prefix))
+        self._release_handlers()
         os.close(self._wake_read)
         os.close(self._wake_write)
         self._context.term()
@@ -269,7 +244,7 @@ class RpcServer:
         except (BlockingIOError, OSError):
             pass  # the pipe is full: the I/O thread is already due to wake up
 
-    def _send(self, parts: list[Any], probe: CallContext | None = None) -> None:
+    def _send(self, parts: list[Any], probe: ZmqCallContext | None = None) -> None:
         """Queue an answer for the I/O thread (the only thread that touches the socket)."""
         self._outbox.put((parts, probe))
         self._wake()
@@ -332,8 +307,7 @@ class RpcServer:
             session = self._sessions.verify(session_id, seq, mac, _REQUEST, kind, rid, method, _first(body))
         except SessionRefused as exc:
             if not exc.unknown:
-                with self._lock:
-                    self.refused_connections += 1
+                self._count_refusal()
             self._refuse(
                 identity,
                 rid,
@@ -359,7 +333,7 @@ class RpcServer:
             return
         name = method.decode("utf-8", "replace")
         if kind == STREAM and name in self._streams:
-            ctx = CallContext(self, identity, rid, session)
+            ctx = ZmqCallContext(self, identity, rid, session)
             with self._lock:
                 self._contexts[rid] = ctx
             self._executor.submit(self._serve_stream, ctx, name, body)
@@ -424,25 +398,17 @@ class RpcServer:
         request = self._decode(identity, rid, body, session)
         if request is None:
             return
-        handler = self._handlers.get(method)
-        if handler is None:
-            self._answer(identity, rid, REFUSED, f"{self.name}: unknown method {method!r}", session)
-            return
         try:
-            answer = handler(*request)
-        except RequestRefused as exc:
-            self._answer(identity, rid, REFUSED, f"{self.name}: {exc}", session)
-            return
-        except Exception as exc:
-            _log.exception("%s: %s failed", self.name, method)
-            self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}", session)
+            answer = self._invoke(method, *request)
+        except CallFailed as exc:
+            self._answer(identity, rid, FAULT if exc.fault else REFUSED, str(exc), session)
             return
         try:
             self._answer_frame(identity, rid, OK, answer, session)
         except Exception as exc:  # an answer the wire format cannot carry
             self._answer(identity, rid, FAULT, f"{self.name}: {type(exc).__name__}: {exc}", session)
 
-    def _serve_stream(self, ctx: CallContext, method: str, body: list[zmq.Frame]) -> None:
+    def _serve_stream(self, ctx: ZmqCallContext, method: str, body: list[zmq.Frame]) -> None:
         identity, rid, session = ctx._identity, ctx._rid, ctx._session
 
         def send(status: bytes, message: Message | None = None, text: str | None = None) -> None:
@@ -465,18 +431,16 @@ class RpcServer:
                     send(STREAM_ITEM, message)
                 if not self._stopping.is_set():  # else the caller sees the connection go, not an end
                     send(STREAM_END)
-            except RequestRefused as exc:
-                send(REFUSED, text=f"{self.name}: {exc}")
             except Exception as exc:
-                _log.exception("%s: stream %s failed", self.name, method)
-                send(FAULT, text=f"{self.name}: {type(exc).__name__}: {exc}")
+                failure = self._failure(method, exc)
+                send(FAULT if failure.fault else REFUSED, text=str(failure))
             finally:
                 messages.close()
         finally:
             with self._lock:
                 self._contexts.pop(rid, None)
             ctx._gone = True
-            ctx._end()
+            ctx._run_end_callbacks()
 
 
 class _Lost(Exception):
@@ -561,19 +525,9 @@ class _Connection:
         self.socket.close(0)
 
 
-class RpcClient:
-    """Calls to one server: a deadline on each, errors naming the peer, and byte counters.
-
-    Thread-safe: concurrent calls use separate sockets (kept in a small pool).
-
-    Args:
-        address: the server's ``host:port``.
-        peer: how errors name the server (``"parameter server 1 (10.0.0.2:2222)"``).
-        token: the job token (proved in each request, and required of the server; never sent).
-        timeout: default deadline of a call, in seconds.
-        error_type: the :class:`RemoteCallError` subclass raised for failed calls.
-        max_frame_bytes: the largest answer accepted.
-    """
+class ZmqClient(RpcClient):
+    """:class:`~spread.ps.rpc_api.RpcClient` on ``DEALER`` sockets: concurrent calls use separate
+    sockets (kept in a small pool), so a slow call never holds up another."""
 
     def __init__(
         self,
@@ -585,30 +539,22 @@ class RpcClient:
         error_type: type[RemoteCallError] = RemoteCallError,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self.address = address
-        self.peer = peer
-        self.timeout = timeout
-        host, port = split_address(address)
-        self._endpoint = _endpoint(host, port)
-        self._ipv6 = ":" in host
-        self._token = token
-        self._error_type = error_type
-        self._max_frame_bytes = max_frame_bytes
-        self._lock = threading.Lock()
+        super().__init__(
+            address,
+            peer=peer,
+            token=token,
+            timeout=timeout,
+            error_type=error_type,
+            max_frame_bytes=max_frame_bytes,
+        )
+        self._endpoint = _endpoint(self._host, self._port)
+        self._ipv6 = ":" in self._host
         self._idle: list[_Connection] = []
-        self._closed = False
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def _count(self, sent: int, received: int) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
 
     def _take(self, op: str) -> _Connection:
         with self._lock:
             if self._closed:
-                raise self._error_type(self.peer, op, "the client was closed")
+                raise self._closed_error(op)
             while self._idle:
                 conn = self._idle.pop()
                 conn.events()
@@ -633,16 +579,12 @@ class RpcClient:
         conn.socket.send_multipart([HELLO, rid, handshake.nonce])
         answer = conn.receive(rid, deadline)
         if answer is None:
-            raise self._error_type(self.peer, op, "no answer to the handshake before the deadline")
+            raise self._failed(op, "no answer to the handshake before the deadline")
         session = None
         if answer[0].bytes == WELCOME and len(answer) == 4:
             session = handshake.finish(*(p.buffer for p in answer[1:]))
         if session is None:
-            raise JobTokenError(
-                f"{self.peer}: {op} refused: its SPREAD_JOB_TOKEN does not match this job's: it could not "
-                f"prove the token (another job's server, or a process impersonating it at {self.address}); "
-                f"nothing was sent to it"
-            )
+            raise self._impostor(op)
         conn.session = session
         return session
 
@@ -672,10 +614,7 @@ class RpcClient:
                 answer[1].buffer, _ANSWER, rid, status, seq_bytes(index), _first(answer[2:])
             )
         ):
-            raise JobTokenError(
-                f"{self.peer}: {op} refused: an answer did not prove this job's SPREAD_JOB_TOKEN (a forged "
-                f"or replayed message from {self.address}); the call was abandoned"
-            )
+            raise self._forged(op)
         return status, answer[2:]
 
     def _raise_for(self, status: bytes, body: list[zmq.Frame], op: str) -> None:
@@ -684,7 +623,7 @@ class RpcClient:
             raise JobTokenError(f"{self.peer}: {op} refused: {text}")
         if status == INVALID:
             raise WireFormatError(f"{self.peer}: {op} refused: {text}")
-        raise self._error_type(self.peer, op, text)
+        raise self._failed(op, text)
 
     def _decode(self, body: list[zmq.Frame]) -> Message:
         message, size = _decode_body(body, self._max_frame_bytes)
@@ -700,13 +639,6 @@ class RpcClient:
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message:
-        """One request and its answer, within ``timeout`` seconds (default: the client's).
-
-        ``wait_for_ready`` keeps trying to connect (within the deadline) to a server that has not
-        started yet, instead of failing at once. Raises :class:`JobTokenError` when the server
-        refuses this job token or cannot prove it, :class:`WireFormatError` when it refuses the
-        frame, and the client's ``error_type`` (naming the peer and ``method``) for everything else.
-        """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         for attempt in range(2):  # a second time only if the server had forgotten the session
@@ -731,19 +663,19 @@ class RpcClient:
         try:
             if not conn.wait_connected(deadline, wait_for_ready):
                 what = "not reachable or no answer" if wait_for_ready else "not reachable"
-                raise self._error_type(self.peer, method, f"{what} within {budget:g}s")
+                raise self._failed(method, f"{what} within {budget:g}s")
             self._open_session(conn, deadline, method)
             rid = secrets.token_bytes(8)
             self._send(conn, CALL, rid, method, meta, tensors)
             answer = conn.receive(rid, deadline)
             if answer is None:
-                raise self._error_type(self.peer, method, f"no answer within {budget:g}s")
+                raise self._failed(method, f"no answer within {budget:g}s")
             status, body = self._open_answer(conn, rid, answer, 0, method)
             if status == NO_SESSION:
                 conn.session = None  # the server forgot it (or restarted): open another
             return status, body
         except _Lost as exc:
-            raise self._error_type(self.peer, method, str(exc)) from None
+            raise self._failed(method, str(exc)) from None
         except JobTokenError:
             answer = None  # nothing more is taken from this connection
             raise
@@ -755,38 +687,32 @@ class RpcClient:
 
     def stream(
         self, method: str, meta: Mapping[str, Any] | None = None, *, connect_timeout: float | None = None
-    ) -> Stream:
-        """Open a streaming call (it waits for the server to start, within ``connect_timeout``).
-
-        The handshake and the server's first answer come first, so an unreachable server, a wrong
-        token or an impostor is reported here; the stream itself has no deadline (it lasts as long
-        as the server keeps answering).
-        """
+    ) -> ZmqStream:
         budget = self.timeout if connect_timeout is None else connect_timeout
         deadline = time.monotonic() + budget
         with self._lock:
             if self._closed:
-                raise self._error_type(self.peer, method, "the client was closed")
+                raise self._closed_error(method)
         conn = _Connection(self._endpoint, self._max_frame_bytes, self._ipv6)
         rid = secrets.token_bytes(8)
         try:
             if not conn.wait_connected(deadline, wait_for_ready=True):
-                raise self._error_type(self.peer, method, f"not reachable within {budget:g}s")
+                raise self._failed(method, f"not reachable within {budget:g}s")
             self._open_session(conn, deadline, method)
             self._send(conn, STREAM, rid, method, meta, None)
             answer = conn.receive(rid, deadline)
             if answer is None:
-                raise self._error_type(self.peer, method, f"not reachable or no answer within {budget:g}s")
+                raise self._failed(method, f"not reachable or no answer within {budget:g}s")
             status, body = self._open_answer(conn, rid, answer, 0, method)
             if status != STREAM_OPEN:
                 self._raise_for(status, body, method)
         except _Lost as exc:
             conn.close()
-            raise self._error_type(self.peer, method, str(exc)) from None
+            raise self._failed(method, str(exc)) from None
         except BaseException:
             conn.close()
             raise
-        return Stream(self, method, conn, rid)
+        return ZmqStream(self, method, conn, rid)
 
     def _cancel(self, rid: bytes) -> None:
         """Tell the server a stream is over (from any thread: on a pooled socket, no answer)."""
@@ -812,10 +738,10 @@ class RpcClient:
             conn.close()
 
 
-class Stream:
-    """The messages of a streaming call, in order; :meth:`cancel` ends it from this side."""
+class ZmqStream(RpcStream):
+    """A streaming call on a socket of its own; it wakes up now and then to see a cancel."""
 
-    def __init__(self, client: RpcClient, op: str, conn: _Connection, rid: bytes) -> None:
+    def __init__(self, client: ZmqClient, op: str, conn: _Connection, rid: bytes) -> None:
         self._client, self._op, self._conn, self._rid = client, op, conn, rid
         self._cancelled = False
         self._finished = False
@@ -830,7 +756,7 @@ class Stream:
                 except _Lost as exc:
                     if self._cancelled:
                         return
-                    raise client._error_type(client.peer, self._op, str(exc)) from None
+                    raise client._failed(self._op, str(exc)) from None
                 if answer is None:
                     if client._closed:
                         return

@@ -59,6 +59,7 @@ from spread.ps.client import DEFAULT_TIMEOUT, PSClient
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.server import serve
+from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
 from spread.strategies.base import ChiefRestore, Strategy, one_replica_tensor, reduce_locally
 from spread.strategies.process_group import local_device
@@ -156,7 +157,7 @@ class ParameterServerStrategy(Strategy):
         self._session = secrets.token_hex(4)
         self._starts = 0  # BackupAndRestore starts (fits) so far: stamps name the fit they belong to
         self.local_step = 0
-        self.task_step_id: str | None = None  # set by the coordinator around a scheduled task
+        self.task_step_id: StepId | None = None  # set by the coordinator around a scheduled task
         self.wait_for_workers_on_close = True
         self._weight = 1.0
         self._failing = False  # the script is ending with an uncaught exception
@@ -290,10 +291,10 @@ class ParameterServerStrategy(Strategy):
                 sparse[name] = (ids, values * scale if scale != 1.0 else values)
             elif grad is not None:
                 dense[name] = grad.detach().to("cpu") * scale if scale != 1.0 else grad.detach()
-        step_id = self.task_step_id or f"w{self.rank}.{self._session}.{self.local_step}"
+        step_id = self.task_step_id or StepId(task=self.rank, session=self._session, number=self.local_step)
         fresh = self.client.push(
             self.placement,
-            step_id=step_id,
+            step_id=step_id.encode(),
             worker=self.rank,
             step=self.local_step,
             optimizer=spec,
@@ -459,14 +460,17 @@ class ParameterServerStrategy(Strategy):
                 raise SpreadError(f"sync-mode servers were saved at different steps: {sorted(versions)}")
             steps = versions.pop() if versions else 0
         else:
-            prefix, sessions, per_server = f"w{self.rank}.", set(), []
+            sessions, per_server = set(), []
             for ledger in ledgers:
                 held = 0
-                for step_id in ledger.get("applied_ids", []):
-                    parts = str(step_id).split(".")
-                    if len(parts) == 3 and step_id.startswith(prefix) and parts[2].isdigit():
-                        sessions.add(parts[1])
-                        held = max(held, int(parts[2]) + 1)
+                for text in ledger.get("applied_ids", []):
+                    try:
+                        step_id = StepId.decode(str(text))
+                    except ValueError:
+                        continue  # not a step id of this version's forms: no task's step
+                    if step_id.task == self.rank:
+                        sessions.add(step_id.session)
+                        held = max(held, step_id.number + 1)
                 per_server.append(held)
             if len(sessions) > 1:
                 raise SpreadError(
