@@ -48,7 +48,7 @@ def test_restore_reproduces_a_replaced_servers_shards(tmp_path, monkeypatch):
         step()  # training goes on against the restored server
         assert [s["applied"] for s in strategy.server_stats()] == [4, 1]
     finally:
-        strategy.wait_for_workers_on_close = False
+        strategy.leave_worker_shutdown_to_coordinator()
         strategy.close()
         for s in servers:
             s.stop()

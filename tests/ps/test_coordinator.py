@@ -277,8 +277,7 @@ def _strategy_of(role: str, index: int = 0):
         transport="zmq",
         init_timeout=1.0,
         client=SimpleNamespace(timeout=1.0),
-        task_step_id=None,
-        wait_for_workers_on_close=True,
+        leave_worker_shutdown_to_coordinator=lambda: None,
         rank=rank,
     )
 

@@ -80,7 +80,11 @@ def _real_chief(cluster: dict, address: str) -> ClusterCoordinator:
         source="tf_config",
     )
     strategy = SimpleNamespace(
-        cluster=spec, job_token=TOKEN, transport="zmq", wait_for_workers_on_close=True, init_timeout=30
+        cluster=spec,
+        job_token=TOKEN,
+        transport="zmq",
+        init_timeout=30,
+        leave_worker_shutdown_to_coordinator=lambda: None,
     )
     return ClusterCoordinator(strategy)
 

@@ -22,7 +22,7 @@ def job(monkeypatch, request):
     spec = chief_of([s.address for s in servers])
     strategy = spread.ParameterServerStrategy(cluster=spec, transport=request.param)
     yield strategy
-    strategy.wait_for_workers_on_close = False
+    strategy.leave_worker_shutdown_to_coordinator()
     strategy.close()
     for s in servers:
         s.stop()

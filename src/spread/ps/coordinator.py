@@ -70,7 +70,8 @@ class CoordinatedStrategy(TaskRunner, Protocol):
     job_token: str
     transport: str
     client: PSClient
-    wait_for_workers_on_close: bool  # the chief's strategy waits for workers at close unless told
+
+    def leave_worker_shutdown_to_coordinator(self) -> None: ...
 
 
 class ClusterCoordinator:
@@ -109,7 +110,7 @@ class ClusterCoordinator:
         self._chief: ChiefCoordinator | None = None
         self._worker: WorkerCoordinator | None = None
         if self.role == "chief":
-            strategy.wait_for_workers_on_close = False  # workers finish when this coordinator says so
+            strategy.leave_worker_shutdown_to_coordinator()
             self._chief = ChiefCoordinator(
                 address=self.chief_address,
                 token=strategy.job_token,

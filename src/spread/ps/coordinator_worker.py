@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn, Protocol
 
 from spread.errors import RemoteCallError
@@ -32,12 +33,15 @@ class TaskRunner(Protocol):
     """What the worker side needs of its strategy (``ParameterServerStrategy``)."""
 
     init_timeout: float  # how long the worker waits for the chief to start
-    task_step_id: StepId | None  # the step id its pushes carry while a scheduled task runs
 
     @property
     def rank(self) -> int: ...
 
     def close(self) -> None: ...
+
+    def running_task(self, step_id: StepId) -> AbstractContextManager[None]:
+        """Pushes made inside carry ``step_id`` (applied once however often the task reruns)."""
+        ...
 
 
 class WorkerCoordinator:
@@ -112,11 +116,8 @@ class WorkerCoordinator:
         try:
             fn = resolve_function(*meta["function"], modules=self._script_modules)
             args, kwargs = decode_value(meta["args"], tensors, lambda i: self._iterator(i, iterators))
-            strategy.task_step_id = StepId.decode(str(meta["step_id"]))
-            try:
+            with strategy.running_task(StepId.decode(str(meta["step_id"]))):
                 value = fn(*args, **kwargs)
-            finally:
-                strategy.task_step_id = None
             result_meta = encode_value(value, result_tensors)
         except Exception as exc:  # reported to the chief (a dead parameter server included)
             ok, error = False, f"{type(exc).__name__}: {exc}"

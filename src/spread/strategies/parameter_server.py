@@ -157,8 +157,8 @@ class ParameterServerStrategy(Strategy):
         self._session = secrets.token_hex(4)
         self._starts = 0  # BackupAndRestore starts (fits) so far: stamps name the fit they belong to
         self.local_step = 0
-        self.task_step_id: StepId | None = None  # set by the coordinator around a scheduled task
-        self.wait_for_workers_on_close = True
+        self._task_step_id: StepId | None = None  # see running_task()
+        self._wait_for_workers_on_close = True  # see leave_worker_shutdown_to_coordinator()
         self._weight = 1.0
         self._failing = False  # the script is ending with an uncaught exception
         self._step_hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
@@ -291,7 +291,7 @@ class ParameterServerStrategy(Strategy):
                 sparse[name] = (ids, values * scale if scale != 1.0 else values)
             elif grad is not None:
                 dense[name] = grad.detach().to("cpu") * scale if scale != 1.0 else grad.detach()
-        step_id = self.task_step_id or StepId(task=self.rank, session=self._session, number=self.local_step)
+        step_id = self._task_step_id or StepId(task=self.rank, session=self._session, number=self.local_step)
         fresh = self.client.push(
             self.placement,
             step_id=step_id.encode(),
@@ -536,6 +536,22 @@ class ParameterServerStrategy(Strategy):
             raise SpreadError(f"{exc} (checkpoint in {directory})") from None
         return step
 
+    @contextmanager
+    def running_task(self, step_id: StepId) -> Iterator[None]:
+        """Pushes made inside carry ``step_id`` (a coordinator's scheduled task) instead of this
+        task's own step count: a task rerun on another worker pushes under the same id, so the
+        servers apply it once."""
+        self._task_step_id = step_id
+        try:
+            yield
+        finally:
+            self._task_step_id = None
+
+    def leave_worker_shutdown_to_coordinator(self) -> None:
+        """The chief's :meth:`close` stops the servers without waiting for the workers: under a
+        ``ClusterCoordinator`` the workers finish when the coordinator tells them to."""
+        self._wait_for_workers_on_close = False
+
     def wait_for_workers(self, timeout: float | None = None) -> None:
         """Mark this training task finished and wait until every training task has (then ``pull``).
 
@@ -586,7 +602,7 @@ class ParameterServerStrategy(Strategy):
         try:
             if self.rank >= 0 and not self.is_chief:
                 self.client.done(self.rank, failed=self._failing)
-            elif self.is_chief and self.wait_for_workers_on_close and not self._failing:
+            elif self.is_chief and self._wait_for_workers_on_close and not self._failing:
                 try:
                     self.wait_for_workers()
                 except ParameterServerError:
