@@ -207,6 +207,7 @@ class CheckpointManager:
                 continue
             if found is None:
                 break  # every candidate is corrupt
+            assert isinstance(found, tuple)
             return found
         if lost_one:
             raise CheckpointCorruptError(

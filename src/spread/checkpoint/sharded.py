@@ -100,7 +100,7 @@ class SafeFileSystemReader(FileSystemReader):
             name = str(info.relative_path)
             if not name or "/" in name or "\\" in name or name in (".", ".."):
                 raise UnsafeMetadataError(f"{path}: storage path {name!r} is not a file in the checkpoint")
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -156,6 +156,9 @@ def load_shards(directory: Path, rank: int, like: Mapping[str, torch.Tensor]) ->
     problems += [f"unexpected shard {k!r} for rank {rank}" for k in saved if k not in like]
     for key in like.keys() & saved.keys():
         entry, want = saved[key], like[key]
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            problems.append(f"shard {key!r} for rank {rank}: saved as bytes, expected a tensor")
+            continue
         if tuple(entry.size) != tuple(want.shape) or entry.properties.dtype != want.dtype:
             problems.append(
                 f"shard {key!r} for rank {rank}: saved {tuple(entry.size)} {entry.properties.dtype}, "

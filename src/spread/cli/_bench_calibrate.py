@@ -68,7 +68,7 @@ def profile(allreduce: dict[str, Any], *, machine: dict[str, Any], quick: bool, 
     """The profile document from an ``allreduce_bus.py`` result."""
     links = {}
     for name, by_size in allreduce["seconds"].items():
-        samples = sorted((int(size), float(t)) for size, t in by_size.items())
+        samples = sorted((float(int(size)), float(t)) for size, t in by_size.items())
         alpha, beta = fit_alpha_beta(samples)
         links[name] = {"alpha": alpha, "beta": beta, "samples": [list(s) for s in samples]}
     return {

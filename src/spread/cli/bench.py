@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
         results["allreduce"] = _job(folder / "allreduce_bus.py", ar_args, args.timeout)
         print(f"\nall-reduce bus bandwidth\n{report.allreduce_table(results['allreduce'])}", flush=True)
     results["load_end"] = _load()
-    results["torch"] = next(iter(results["throughput"].values()), {}).get("torch", "?")
+    first_throughput: dict[str, Any] = next(iter(results["throughput"].values()), {})
+    results["torch"] = first_throughput.get("torch", "?")
     machine = _machine()
     results["machine"] = machine
     if args.json:

@@ -77,8 +77,7 @@ def _script_module(path: str) -> types.ModuleType:
     """A fresh ``__main__`` as CPython builds it for ``python path``."""
     main = types.ModuleType("__main__")
     main.__file__ = path
-    main.__cached__ = None
-    main.__builtins__ = builtins
+    main.__dict__.update(__cached__=None, __builtins__=builtins)
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", main.__file__)
     main.__spec__ = None
     return main

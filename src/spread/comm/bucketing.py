@@ -244,6 +244,7 @@ class GradientReducer:
             key = id(p)
             if key in ready and key in fresh:
                 put(slot, fresh[key])
+                assert p.grad is not None  # it has a fresh part, so it has a gradient
                 p.grad.sub_(fresh[key])  # back to the already-exchanged part; the fresh part is added below
                 flags[i] = 1
             elif p.grad is not None and (key in ready or self._local_pending):

@@ -50,7 +50,7 @@ def wrap_forward(module: nn.Module, kind: str, around: Callable[..., Any]) -> bo
     """Add a ``kind`` wrapper around ``module.forward``; False when one is already there."""
     if has_wrapper(module, kind):
         return False
-    module.forward = WrappedForward(module, kind, around)  # type: ignore[method-assign]
+    module.forward = WrappedForward(module, kind, around)
     return True
 
 
@@ -64,7 +64,7 @@ def unwrap_forward(module: nn.Module, kind: str) -> bool:
             if w.previous is None:
                 del module.forward
             else:
-                module.forward = w.previous  # type: ignore[method-assign]
+                module.forward = w.previous
         else:
             chain[i - 1].previous = w.previous
         return True

@@ -28,7 +28,7 @@ class SavedTensorBytes(saved_tensors_hooks):
         self.tensors = 0
         super().__init__(self._pack, _unpack)
 
-    def __enter__(self) -> SavedTensorBytes:
+    def __enter__(self) -> SavedTensorBytes:  # type: ignore[override]  # torch types it -> None
         super().__enter__()
         return self
 

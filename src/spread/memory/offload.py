@@ -58,7 +58,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.saved = self.offloaded = self.offloaded_bytes = self.restored = 0
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self) -> OffloadActivations:
+    def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch types it -> None
         super().__enter__()
         return self
 

@@ -91,6 +91,7 @@ class StageLink:
             work = dist.isend(tensor, dst=peer, group=self.group)
         except (RuntimeError, dist.DistError) as exc:
             raise self._fail(op, seq, peer, exc) from exc
+        assert work is not None  # None only for a rank outside the group
         self._sends.append((work, tensor, op, seq, peer))
 
     def _irecv(self, tensor: torch.Tensor, peer: int | None, op: str) -> _PendingRecv:
@@ -100,6 +101,7 @@ class StageLink:
             work = dist.irecv(tensor, src=peer, group=self.group)
         except (RuntimeError, dist.DistError) as exc:
             raise self._fail(op, seq, peer, exc) from exc
+        assert work is not None  # None only for a rank outside the group
         return _PendingRecv(self, work, op, seq, peer)
 
     def _recv(self, tensor: torch.Tensor, peer: int, op: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -34,11 +34,14 @@ def same_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter])
     return type(optimizer)(params, **settings)
 
 
+Key = TypeVar("Key", bound=Hashable)
+
+
 def interleaved_medians(
-    calls: dict[Hashable, Callable[[], None]],
+    calls: dict[Key, Callable[[], None]],
     repeats: int,
-    before: Callable[[Hashable], None] | None = None,
-) -> dict[Hashable, float]:
+    before: Callable[[Key], None] | None = None,
+) -> dict[Key, float]:
     """Median seconds of each of ``calls``, timed in ``repeats`` interleaved rounds after a warm-up round.
 
     Why not each setting's repeats in a block: this VM's speed drifts by tens of percent within minutes,
@@ -54,7 +57,7 @@ def interleaved_medians(
         if before is not None:
             before(key)
         calls[key]()
-    times: dict[Hashable, list[float]] = {key: [] for key in keys}
+    times: dict[Key, list[float]] = {key: [] for key in keys}
     for r in range(repeats):
         shift = r % len(keys) if keys else 0
         for key in keys[shift:] + keys[:shift]:

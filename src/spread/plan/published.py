@@ -17,6 +17,7 @@ backward time); the others spread their parameters evenly over their depth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from spread.plan.cluster import ClusterModel
 from spread.plan.costs import Link
@@ -24,7 +25,11 @@ from spread.plan.predict import Candidate, Options, predict
 from spread.plan.workload import ModelProfile
 
 HOROVOD_FUSION_BYTES = 64 * 2**20
-HOROVOD_CLUSTER = {"nodes": 128, "devices_per_node": 4, "inter": Link(alpha=10e-6, beta=25e9 / 8)}
+HOROVOD_CLUSTER: dict[str, Any] = {
+    "nodes": 128,
+    "devices_per_node": 4,
+    "inter": Link(alpha=10e-6, beta=25e9 / 8),
+}
 
 
 @dataclass(frozen=True)

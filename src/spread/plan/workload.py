@@ -11,8 +11,9 @@ and optimizer are never touched (everything runs on deep copies).
 from __future__ import annotations
 
 import copy
+import functools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -255,10 +256,10 @@ def measure_model(
     # ratios (one process on all cores vs one replica per core) decide the recommendation, and timed
     # block after block they took the VM's drift (W2's 2-thread speed-up over 1 thread read 1.9x to
     # 2.5x on 2 cores).
-    calls: dict[Hashable, Callable[[], None]] = {}
+    calls: dict[tuple[Any, ...], Callable[[], None]] = {}
     for t in thread_counts:
         for n in sizes:
-            calls[("step", t, n)] = lambda n=n: step(n)
+            calls[("step", t, n)] = functools.partial(step, n)
         if opt is not None:  # each process steps its optimizer at its own share of the cores
             calls[("optimizer", t)] = opt.step
     calls[("forward", most)] = forward_only

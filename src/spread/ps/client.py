@@ -134,19 +134,14 @@ class PSClient:
         for name in names:
             for shard in placement.shards[name]:
                 per_server.setdefault(shard.server, []).append(shard.key)
-        answers = self._each(
-            {
-                s: (
-                    lambda c, keys=keys: c.call(
-                        "pull",
-                        {"names": keys, "wait": wait},
-                        timeout=self.timeout + wait,
-                        wait_for_ready=wait > 0,
-                    )
-                )
-                for s, keys in per_server.items()
-            }
-        )
+
+        def pull(keys: list[str]) -> Callable[[RpcClient], Message]:
+            return lambda c: c.call(
+                "pull", {"names": keys, "wait": wait}, timeout=self.timeout + wait, wait_for_ready=wait > 0
+            )
+
+        calls = {s: pull(keys) for s, keys in per_server.items()}
+        answers = self._each(calls)
         by_key = {k: v for _, tensors in answers.values() for k, v in tensors.items()}
         return {
             name: torch.cat([by_key[s.key] for s in placement.shards[name]])
@@ -238,12 +233,12 @@ class PSClient:
             for shard in placement.shards[name]:
                 metas[shard.server]["pull"].append(shard.key)
         budget = self.timeout + (wait or 0.0)
-        answers = self._each(
-            {
-                s: (lambda c, s=s: c.call("push", metas[s], tensors[s], timeout=budget))
-                for s in range(self.num_servers)
-            }
-        )
+
+        def push(s: int) -> Callable[[RpcClient], Message]:
+            return lambda c: c.call("push", metas[s], tensors[s], timeout=budget)
+
+        calls = {s: push(s) for s in range(self.num_servers)}
+        answers = self._each(calls)
         by_key = {k: v for _, t in answers.values() for k, v in t.items()}
         return {name: by_key[placement.shards[name][0].key] for name in pull}
 
@@ -293,12 +288,11 @@ class PSClient:
                 out["ledger"] = dict(ledgers[s])
             return out
 
-        self._each(
-            {
-                s: (lambda c, s=s: c.call("create", meta(s), dict(state[s]), wait_for_ready=True))
-                for s in range(self.num_servers)
-            }
-        )
+        def create(s: int) -> Callable[[RpcClient], Message]:
+            return lambda c: c.call("create", meta(s), dict(state[s]), wait_for_ready=True)
+
+        calls = {s: create(s) for s in range(self.num_servers)}
+        self._each(calls)
 
     def announce(self, restored_from: str) -> None:
         """Record on every server which backup this job started from (or a fresh-start name)."""

@@ -17,7 +17,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,7 +203,9 @@ class ChiefCoordinator:
         self.server.stop()
 
     # -- the protocol: one session per worker connection, and its reports -------------------------------
-    def _session(self, meta: dict[str, Any], tensors: Tensors, ctx: CallContext) -> Iterator[Message]:
+    def _session(
+        self, meta: dict[str, Any], tensors: Tensors, ctx: CallContext
+    ) -> Generator[Message, None, None]:
         worker = int(meta.get("worker", -1))
         with self._lock:
             session = next(self._session_ids)

@@ -13,7 +13,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -101,7 +101,7 @@ def resolve_function(module: str, qualname: str, *, modules: set[str]) -> Callab
     return fn
 
 
-def _is_own_function(obj: Any, module: str, qualname: str) -> bool:
+def _is_own_function(obj: Any, module: str, qualname: str) -> TypeGuard[types.FunctionType]:
     """A plain Python function defined where its name says (not a builtin, a class, or a function
     of another module reached through an attribute or an import into this one)."""
     return isinstance(obj, types.FunctionType) and obj.__module__ == module and obj.__qualname__ == qualname

@@ -111,7 +111,8 @@ class WorkerCoordinator:
     ) -> bool:
         """Run one task and report it; False when this worker should stop serving."""
         strategy = self.strategy
-        ok, error, result_meta, result_tensors = True, None, None, {}
+        ok, error, result_meta = True, None, None
+        result_tensors: Tensors = {}
         started = time.monotonic()
         try:
             fn = resolve_function(*meta["function"], modules=self._script_modules)

@@ -223,6 +223,7 @@ class GrpcServer(RpcServer):
         ]
         self._server = grpc.server(self._executor, handlers=[_Dispatcher(self)], options=options)
         host, port = self._bind_host, self._bind_port
+        detail: object
         try:
             bound = self._server.add_insecure_port(_target(host, port))
         except RuntimeError as exc:

@@ -34,7 +34,7 @@ import logging
 import secrets
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self
 
@@ -48,7 +48,8 @@ MAX_CONCURRENT_CALLS = 256  # per server; threads are made as calls need them; s
 
 Message = tuple[dict[str, Any], Tensors]
 Handler = Callable[[dict[str, Any], Tensors], Message]
-StreamHandler = Callable[[dict[str, Any], Tensors, "CallContext"], Iterator[Message]]
+# a generator: the server closes it when the caller cancels or goes away
+StreamHandler = Callable[[dict[str, Any], Tensors, "CallContext"], Generator[Message, None, None]]
 
 PROTOCOL = b"spread-rpc-v2"
 NONCE_BYTES = 16

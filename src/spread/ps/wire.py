@@ -54,7 +54,7 @@ Tensors = dict[str, torch.Tensor]
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy when it is already a contiguous CPU tensor."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy().data)
 
 
 def encode_parts(
@@ -178,7 +178,7 @@ def decode_parts(
 
 
 def decode(
-    frame: bytes | bytearray, *, max_tensor_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    frame: bytes | bytearray | memoryview, *, max_tensor_bytes: int = DEFAULT_MAX_FRAME_BYTES
 ) -> tuple[dict[str, Any], Tensors]:
     """Parse a frame into ``(meta, tensors)``; raise :class:`WireFormatError` on anything malformed.
 

@@ -45,7 +45,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,7 +87,7 @@ def _endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _first(parts: list[zmq.Frame] | list[bytes]) -> memoryview | bytes:
+def _first(parts: Sequence[zmq.Frame | bytes | memoryview]) -> memoryview | bytes:
     """The part a MAC covers besides the envelope: the frame header (or a refusal's text)."""
     if not parts:
         return b""
@@ -474,7 +474,7 @@ class _Connection:
 
     def events(self) -> list[int]:
         """Connection events since the last look (updating :attr:`connected` and :attr:`lost`)."""
-        seen = []
+        seen: list[int] = []
         while True:
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
@@ -502,8 +502,9 @@ class _Connection:
     def receive(self, rid: bytes, deadline: float | None) -> list[zmq.Frame] | None:
         """The next answer to ``rid`` (``[status, body...]``), or None at the deadline."""
         while True:
-            timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            ready = dict(self.poller.poll(timeout if deadline is None else min(timeout, 1000)))
+            left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
+            wait_ms = min(max(0, left_ms), 1000)
+            ready = dict(self.poller.poll(wait_ms))
             if ready.get(self.socket):
                 parts = self.socket.recv_multipart(copy=False)
                 if len(parts) >= 2 and parts[0].bytes == rid:

@@ -40,10 +40,14 @@ REDUCE_OPS = ("sum", "mean")
 class TrainingProgram(Protocol):
     """What :meth:`Strategy.run_training_step` needs from the training loop (``spread.Trainer`` is one)."""
 
-    model: nn.Module
-    loss_fn: Callable[..., torch.Tensor]
-    metrics: Mapping[str, Callable[..., torch.Tensor]]
-    accumulation_steps: int
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def loss_fn(self) -> Callable[..., torch.Tensor]: ...
+    @property
+    def metrics(self) -> Mapping[str, Callable[..., torch.Tensor]]: ...
+    @property
+    def accumulation_steps(self) -> int: ...
 
     def replica_train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one replica's batch; its summed ``[loss*n, n, metric sums...]``."""

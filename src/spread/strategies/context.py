@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _local = threading.local()
 _scope_stack: list[Strategy] = []
+_default: Strategy | None = None  # the strategy outside any scope: one device, made on first use
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +51,9 @@ def get_strategy() -> Strategy:
     from spread.strategies.one_device import OneDeviceStrategy
 
     global _default
-    try:
-        return _default
-    except NameError:
+    if _default is None:
         _default = OneDeviceStrategy()
-        return _default
+    return _default
 
 
 def _push_scope(strategy: Strategy) -> None:

@@ -190,8 +190,8 @@ class MirroredStrategy(Strategy):
         if errors:
             if self._replica_grads is not None:
                 self._replica_grads.discard()
-            index, exc = errors[0]
-            raise SpreadError(f"replica {index} of {n} failed in strategy.run: {exc!r}") from exc
+            index, error = errors[0]
+            raise SpreadError(f"replica {index} of {n} failed in strategy.run: {error!r}") from error
         if self._replica_grads is not None:
             self._replica_grads.reduce_into_grads(self.cross_device_ops, self._parallel)
         return PerReplica(results) if n > 1 else results[0]
@@ -272,7 +272,9 @@ class _ReplicaGradients:
         self._handles: list[Any] = []
         for p in self.params:
             with torch.enable_grad():
-                node = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad
+                view_node = p.view_as(p).grad_fn
+            node = view_node.next_functions[0][0] if view_node is not None else None  # AccumulateGrad
+            assert node is not None  # p requires grad, so it has one
             self._nodes.append(node)
             self._handles.append(node.register_prehook(self._make_hook(p)))
 

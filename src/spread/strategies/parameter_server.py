@@ -258,13 +258,15 @@ class ParameterServerStrategy(Strategy):
         ids = args[0] if args else None
         if not isinstance(ids, torch.Tensor):
             return
-        name = self._names[id(module.weight)]
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        name = self._names[id(weight)]
         unique = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64))
         if unique.numel() == 0:
             return
         rows = self.client.pull_rows(self.placement, name, unique)
         with torch.no_grad():
-            module.weight.index_copy_(0, unique.to(module.weight.device), rows.to(module.weight))
+            weight.index_copy_(0, unique.to(weight.device), rows.to(weight))
         if torch.is_grad_enabled():
             self._touched.setdefault(name, []).append(unique)
 

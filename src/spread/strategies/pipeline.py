@@ -501,14 +501,15 @@ class PipelineStrategy(Strategy):
         """Rank ``src``'s optimizer state for the parameter indices ``owned``, on every rank: a JSON
         description (keys, dtypes, shapes, plain values; never a pickle), then the tensors."""
         mine = self.rank == src
-        entries, tensors = [], []
+        entries: list[list[Any]] = []
+        tensors: list[torch.Tensor] = []
         if mine:
             for i in owned:
                 for key, value in state.get(i, {}).items():
                     if isinstance(value, torch.Tensor):
-                        dtype = str(value.dtype).removeprefix("torch.")
+                        dtype_name = str(value.dtype).removeprefix("torch.")
                         entries.append(
-                            [i, key, "tensor", dtype, list(value.shape), value.device.type == "cpu"]
+                            [i, key, "tensor", dtype_name, list(value.shape), value.device.type == "cpu"]
                         )
                         tensors.append(value.detach().to(self.world.device))
                     elif value is None or isinstance(value, (bool, int, float)):

@@ -49,7 +49,7 @@ def chief_of(server_addresses: list[str]) -> ClusterSpec:
         task_index=0,
         rank=0,
         world_size=1,
-        cluster={"chief": ["127.0.0.1:1"], "ps": list(server_addresses)},
+        cluster={"chief": ("127.0.0.1:1",), "ps": tuple(server_addresses)},
         source="tf_config",
     )
 

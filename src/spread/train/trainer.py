@@ -127,6 +127,8 @@ class Trainer:
             micro.backward(loss if n else y_pred.sum() * 0.0)
             part = self.batch_stats(y_pred, my, loss, n)
             stats = part if stats is None else stats + part
+        if stats is None:
+            raise RuntimeError("micro_batches yielded no micro-batch")
         return stats
 
     def _eval_replica_step(self, batch: Any) -> torch.Tensor:

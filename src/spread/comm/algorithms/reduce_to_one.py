@@ -29,6 +29,7 @@ class ReduceToOneAllReduce(AllReduceAlgorithm):
             acc_dtype = accumulation_dtype(buffer.dtype)
             acc = buffer if acc_dtype == buffer.dtype else buffer.to(acc_dtype)
             for work, part in zip(works, parts, strict=True):
+                assert work is not None  # None only for a rank outside the group
                 work.wait()
                 acc.add_(part)
             if acc is not buffer:

@@ -85,6 +85,7 @@ class RingAllReduce(AllReduceAlgorithm):
             sends.append(dist.isend(send[start : start + step], dst=self._right, group=self.group, tag=k))
         self.bytes_sent += send.numel() * send.element_size()
         for start, piece, work in receives:
+            assert work is not None  # None only for a rank outside the group
             work.wait()
             if scratch is not None:
                 _accumulate(recv[start : start + piece.numel()], piece)

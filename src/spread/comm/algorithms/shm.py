@@ -263,8 +263,8 @@ class ShmAllReduce(AllReduceAlgorithm):
         learn the peers' process ids (collective)."""
         secret = self._secret("shm.signal")
         mine = torch.tensor([os.getpid(), os.geteuid(), os.getegid()], dtype=torch.int64)
-        creds = [
-            tuple(int(v) for v in c.tolist())
+        creds: list[tuple[int, int, int]] = [
+            (int(c[0]), int(c[1]), int(c[2]))
             for c in self.collectives.all_gather(mine.to(self.collectives.device), name="shm.signal.pids")
         ]
         links: list[_PeerLink] = []

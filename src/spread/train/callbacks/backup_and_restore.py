@@ -221,11 +221,10 @@ class BackupAndRestore(Callback):
         """Position, running sums, History and RNG states (torch's as given): what every backup holds."""
         trainer = self.trainer
         position = trainer.train_dataset.state_dict()
-        sums = (
-            trainer.running_sums.totals.clone()
-            if position["batch"]
-            else torch.zeros_like(trainer.running_sums.totals)
-        )
+        if trainer.running_sums is None:
+            raise RuntimeError("BackupAndRestore saves during fit only (no running sums outside it)")
+        totals = trainer.running_sums.totals
+        sums = totals.clone() if position["batch"] else torch.zeros_like(totals)
         version, internal, gauss = random.getstate()
         return {
             "global_step": trainer.global_step,
@@ -237,7 +236,7 @@ class BackupAndRestore(Callback):
             "rng": {
                 "torch": all_rng.cpu(),
                 "python": (version, list(internal), gauss),
-                "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+                "numpy": torch.from_numpy(_numpy_state()[1].astype(np.int64)),
             },
         }
 
@@ -263,5 +262,13 @@ def _set_rng(rng: dict[str, Any], row: int) -> None:
     torch.set_rng_state(torch_states[min(row, len(torch_states) - 1)].clone())
     version, internal, gauss = rng["python"]
     random.setstate((version, tuple(internal), gauss))
-    np_state = np.random.get_state()
+    np_state = _numpy_state()
     np.random.set_state((np_state[0], rng["numpy"].numpy().astype(np.uint32), *np_state[2:]))
+
+
+def _numpy_state() -> tuple[Any, ...]:
+    """NumPy's global RNG state as the legacy tuple (``(name, keys, pos, has_gauss, gauss)``)."""
+    state = np.random.get_state(legacy=True)
+    if not isinstance(state, tuple):
+        raise RuntimeError("numpy returned its RNG state as a dict with legacy=True")
+    return state

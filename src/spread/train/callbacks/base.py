@@ -30,10 +30,17 @@ class Callback:
     chief_only: bool = False
 
     def __init__(self) -> None:
-        self.trainer: Trainer | None = None
+        self._trainer: Trainer | None = None
+
+    @property
+    def trainer(self) -> Trainer:
+        """The trainer this callback is attached to (by ``fit``, ``evaluate`` or ``predict``)."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet")
+        return self._trainer
 
     def set_trainer(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+        self._trainer = trainer
 
     def runs_on(self, trainer: Trainer) -> bool:
         """Whether ``trainer``'s rank calls this callback: every rank, or the chief when ``chief_only``."""

@@ -88,7 +88,6 @@ class EarlyStopping(Callback):
         return self._better(shifted, reference)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        assert self.trainer is not None, "EarlyStopping used before set_trainer()"
         # copy=True: on a CPU model .to("cpu") would return the live tensors, which training overwrites.
         return {k: v.detach().to("cpu", copy=True) for k, v in self.trainer.model.state_dict().items()}
 
@@ -129,13 +128,11 @@ class EarlyStopping(Callback):
             return
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
-            assert self.trainer is not None
             self.trainer.stop_training = True
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.stopped_epoch > 0:
             self._print(f"epoch {self.stopped_epoch + 1}: early stopping ({self.monitor} did not improve)")
         if self.restore_best_weights and self.best_weights is not None:
-            assert self.trainer is not None
             self._print(f"restoring model weights from the end of the best epoch: {self.best_epoch + 1}")
             self.trainer.model.load_state_dict(self.best_weights)

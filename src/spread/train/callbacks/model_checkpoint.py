@@ -134,10 +134,11 @@ class ModelCheckpoint(Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
-        if self.save_freq == "epoch":
+        every = self.save_freq
+        if isinstance(every, str):  # "epoch"
             return
         self._batches_since_save += 1
-        if self._batches_since_save >= self.save_freq:
+        if self._batches_since_save >= every:
             self._batches_since_save = 0
             self._save(self._epoch, step, logs or {})
 
@@ -161,7 +162,6 @@ class ModelCheckpoint(Callback):
             ) from exc
 
     def _state(self, epoch: int) -> Any:
-        assert self.trainer is not None, "ModelCheckpoint used before set_trainer()"
         trainer = self.trainer
         # Collective where the strategy's state is: every rank takes part, the chief writes.
         model_state = trainer.strategy.model_state_dict(trainer.model)

@@ -64,12 +64,13 @@ class TensorBoard(Callback):
         self._batches_since_write = 0
 
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
-        if self.update_freq == "epoch" or self.writer is None:
+        every = self.update_freq
+        if isinstance(every, str) or self.writer is None:  # "epoch"
             return
         self._batches_since_write += 1
-        if self._batches_since_write >= self.update_freq:
+        if self._batches_since_write >= every:
             self._batches_since_write = 0
-            self._add_scalars("batch", logs or {}, int(getattr(self.trainer, "global_step", 0)))
+            self._add_scalars("batch", logs or {}, self.trainer.global_step)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.writer is None:
