@@ -110,6 +110,25 @@ class Collectives:
             dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
+    def broadcast_tensors(
+        self, tensors: Sequence[torch.Tensor], src: int = 0, *, name: str = "broadcast"
+    ) -> None:
+        """Make every rank's ``tensors`` equal to rank ``src``'s in place: one flat broadcast per
+        (device, dtype) group instead of one per tensor."""
+        if self.world_size == 1:
+            return
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        with torch.no_grad():
+            for group in groups.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.broadcast(flat, src=src, name=name)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
     def all_gather(self, tensor: torch.Tensor, *, name: str = "all_gather") -> list[torch.Tensor]:
         """Gather equally shaped tensors from every rank, in rank order."""
         if self.world_size == 1:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.data.batches import inputs_and_targets
 from spread.strategies import OneDeviceStrategy
 from spread.train import Trainer
-from spread.train.trainer import _split_batch
 
 _CLUSTER_VARIABLES = ("TF_CONFIG", "WORLD_SIZE", "RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")
 
@@ -56,7 +56,7 @@ class _FitReached(BaseException):
 def _first_batch(data: Any, global_batch: int) -> tuple[Any, Any]:
     batches = OneDeviceStrategy().distribute_dataset(data, global_batch, shuffle=False)
     for batch in batches:
-        return _split_batch(batch)
+        return inputs_and_targets(batch, who="Trainer")
     raise CaptureError("the training data given to Trainer.fit is empty")
 
 

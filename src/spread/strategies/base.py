@@ -85,15 +85,6 @@ def one_replica_tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(value, device=device)
 
 
-def reduce_locally(op: str, value: Any, axis: int | None, device: torch.device) -> torch.Tensor:
-    """``reduce`` when this process's replica is the only one it combines (nothing crosses processes)."""
-    op = check_reduce_op(op)
-    tensor = one_replica_tensor(value, device)
-    if axis is None:
-        return tensor
-    return tensor.sum(dim=axis) if op == "sum" else tensor.mean(dim=axis)
-
-
 class Strategy(abc.ABC):
     """Base class: ``scope``, ``run``, ``reduce``, ``gather``, ``distribute_dataset``.
 
@@ -218,10 +209,20 @@ class Strategy(abc.ABC):
             _set_replica_context(None)
             self._step_info = None
 
-    @abc.abstractmethod
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine a per-replica value over all replicas (``"sum"`` or ``"mean"``); the same on every
         rank. With ``axis``, also reduce along that axis of each value (mean over all elements)."""
+        op = check_reduce_op(op)
+        if axis is not None:
+            gathered = self.gather(value, axis=axis)
+            return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
+        total, count = self._sum_over_replicas(value)
+        return total if op == "sum" else total / count
+
+    @abc.abstractmethod
+    def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
+        """Subclass hook of :meth:`reduce`: the elementwise sum of ``value`` over the replicas this
+        strategy combines (the same on every rank), and how many replicas that is."""
 
     @abc.abstractmethod
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:

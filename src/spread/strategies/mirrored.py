@@ -37,7 +37,7 @@ from torch import nn
 from spread.comm.in_process import hierarchical_copy, reduce_to_one
 from spread.data import ReplicaLayout
 from spread.errors import SpreadError
-from spread.strategies.base import Strategy, check_reduce_op
+from spread.strategies.base import Strategy
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.strategies.one_device import default_device
 from spread.values import PerReplica, select_replica
@@ -207,14 +207,9 @@ class MirroredStrategy(Strategy):
         for future in futures:
             future.result()
 
-    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        op = check_reduce_op(op)
-        if axis is not None:
-            gathered = self.gather(value, axis=axis)
-            return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
-        values = [_as_tensor(v, self.device) for v in self.local_results(value)]
-        total = torch.stack([v.to(self.device) for v in values]).sum(dim=0)
-        return total if op == "sum" else total / len(values)
+    def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
+        values = [_as_tensor(v, self.device).to(self.device) for v in self.local_results(value)]
+        return torch.stack(values).sum(dim=0), len(values)
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
         values = [_as_tensor(v, self.device).to(self.device) for v in self.local_results(value)]

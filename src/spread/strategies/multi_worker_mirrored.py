@@ -24,7 +24,7 @@ from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_alg
 from spread.comm.bucketing import COMPRESSIONS
 from spread.data import ReplicaLayout, StepInfo
 from spread.errors import SpreadError
-from spread.strategies.base import Strategy, check_reduce_op, one_replica_tensor
+from spread.strategies.base import Strategy, one_replica_tensor
 from spread.strategies.process_group import join_process_group, local_device
 
 COMMUNICATIONS = ALGORITHM_NAMES  # "auto" and every name of spread.comm.algorithms.ALGORITHMS
@@ -124,7 +124,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         tensors = [*params, *buffers]
         self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
-        _broadcast_flat(self.collectives, tensors)
+        self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
         if self._reducer is not None:
             self._reducer.close()
         self._reducer = GradientReducer(
@@ -155,14 +155,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._reducer.grad_scale = weight
         return self._run_as_replica(fn, args, kwargs, self.rank, weight)
 
-    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        op = check_reduce_op(op)
-        if axis is not None:
-            gathered = self.gather(value, axis=axis)
-            return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
+    def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
         tensor = one_replica_tensor(value, self.device).detach().clone()
-        self.collectives.all_reduce(tensor, name=f"reduce[{op}]")
-        return tensor if op == "sum" else tensor / self.num_replicas_in_sync
+        self.collectives.all_reduce(tensor, name="reduce")
+        return tensor, self.num_replicas_in_sync
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
         tensor = one_replica_tensor(value, self.device).detach()
@@ -182,18 +178,3 @@ def _signature(tensors: list[torch.Tensor]) -> list[int]:
     for t in tensors:
         digest.update(f"{tuple(t.shape)}:{t.dtype};".encode())
     return [len(tensors), sum(t.numel() for t in tensors), int.from_bytes(digest.digest()[:7], "big")]
-
-
-def _broadcast_flat(collectives: Collectives, tensors: list[torch.Tensor]) -> None:
-    """Make every rank's tensors equal to rank 0's, one broadcast per (device, dtype) group."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for group in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            collectives.broadcast(flat, src=0, name="broadcast_initial_weights")
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()

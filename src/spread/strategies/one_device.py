@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from spread.data import ReplicaLayout
-from spread.strategies.base import Strategy, one_replica_tensor, reduce_locally
+from spread.strategies.base import Strategy, one_replica_tensor
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 
 
@@ -52,8 +52,8 @@ class OneDeviceStrategy(Strategy):
         finally:
             _set_replica_context(outer)
 
-    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        return reduce_locally(op, value, axis, self.device)
+    def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
+        return one_replica_tensor(value, self.device), 1
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
         return one_replica_tensor(value, self.device)

@@ -61,7 +61,7 @@ from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo
 from spread.ps.server import serve
 from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
-from spread.strategies.base import ChiefRestore, Strategy, one_replica_tensor, reduce_locally
+from spread.strategies.base import ChiefRestore, Strategy, one_replica_tensor
 from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
@@ -322,9 +322,9 @@ class ParameterServerStrategy(Strategy):
             return [1.0 / self.num_workers]
         return [size / info.global_size for size in info.local_sizes]
 
-    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        """This worker's value (workers do not wait for each other, so nothing is combined)."""
-        return reduce_locally(op, value, axis, self.device)
+    def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
+        # This worker's value: workers do not wait for each other, so nothing is combined.
+        return one_replica_tensor(value, self.device), 1
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
         return one_replica_tensor(value, self.device)

@@ -49,6 +49,7 @@ from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.ops import classify_error, destroy_group
 from spread.data import ReplicaLayout
+from spread.data.batches import inputs_and_targets
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
 from spread.memory import checkpoint_stage
 from spread.memory.forward_wrap import unwrap_forward, wrap_forward
@@ -65,19 +66,11 @@ from spread.pipeline import (
 from spread.pipeline.affinity import CpuBinding, bind_local_cpus
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
-from spread.strategies.base import Strategy, TrainingProgram, check_reduce_op, one_replica_tensor
+from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
 from spread.strategies.context import get_replica_context
 from spread.strategies.process_group import join_process_group, local_device
 
 _WRAP_KIND = "pipeline"
-
-
-def _split_xy(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, dict) and {"x", "y"} <= batch.keys():
-        return batch["x"], batch["y"]
-    raise TypeError(f"PipelineStrategy expects batches of (inputs, targets); got {type(batch).__name__}")
 
 
 def _chunks(value: Any, parts: int) -> list[Any]:
@@ -281,7 +274,9 @@ class PipelineStrategy(Strategy):
         if self.split_points is not None:
             bounds_from_split_points(len(layers), self.stages, self.split_points)
         with self._guard("the initial weight broadcast and partition"):
-            _broadcast_from(self.world, [*self._model.parameters(), *self._model.buffers()], src=0)
+            self.world.broadcast_tensors(
+                [*self._model.parameters(), *self._model.buffers()], src=0, name="pipeline_weights"
+            )
             edges = torch.zeros(self.stages + 1, dtype=torch.int64, device=self.world.device)
             if self.rank == 0:
                 bounds = partition(
@@ -367,7 +362,7 @@ class PipelineStrategy(Strategy):
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
                 "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
             )
-        x, y = _split_xy(batch)
+        x, y = inputs_and_targets(batch, who="PipelineStrategy")
         width = 2 + len(program.metrics)
         stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
 
@@ -423,14 +418,13 @@ class PipelineStrategy(Strategy):
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine over the data-parallel replicas. ``value`` must be the same on every stage of a
         pipeline replica (as the results of ``train_step`` and pipelined ``model(x)`` are)."""
-        op = check_reduce_op(op)
-        if axis is not None:
-            gathered = self.gather(value, axis=axis)
-            return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
+        return super().reduce(op, value, axis)
+
+    def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
         tensor = one_replica_tensor(value, self._device).detach().clone()
-        with self._guard(f"reduce[{op}]"):
-            self.replica_collectives.all_reduce(tensor, name=f"reduce[{op}]")
-        return tensor if op == "sum" else tensor / self.replicas
+        with self._guard("reduce"):
+            self.replica_collectives.all_reduce(tensor, name="reduce")
+        return tensor, self.replicas
 
     def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
         tensor = one_replica_tensor(value, self._device).detach()
@@ -463,7 +457,7 @@ class PipelineStrategy(Strategy):
                     tensors = [
                         t for layer in layers[start:end] for t in (*layer.parameters(), *layer.buffers())
                     ]
-                    _broadcast_from(self.world, tensors, src=s)
+                    self.world.broadcast_tensors(tensors, src=s, name="pipeline_weights")
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def gather_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -535,7 +529,7 @@ class PipelineStrategy(Strategy):
                     if not isinstance(dtype, torch.dtype):
                         raise SpreadError(f"rank {src} described optimizer state with dtype {entry[3]!r}")
                     tensors.append(torch.empty(entry[4], dtype=dtype, device=self.world.device))
-        _broadcast_from(self.world, tensors, src=src)
+        self.world.broadcast_tensors(tensors, src=src, name="pipeline_optimizer_state")
         out: dict[int, dict[str, Any]] = {}
         pending = iter(tensors)
         for entry in entries:
@@ -634,18 +628,3 @@ def _check_args(
                 f"split_points must be stages-1={stages - 1} strictly increasing layer indices >= 1 "
                 f"(where stages 1..{stages - 1} start), got split_points={points!r}"
             )
-
-
-def _broadcast_from(collectives: Collectives, tensors: list[torch.Tensor], src: int) -> None:
-    """Make every rank's ``tensors`` equal to rank ``src``'s, one flat broadcast per (device, dtype)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for group in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            collectives.broadcast(flat, src=src, name="pipeline_weights")
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.data.batches import inputs_and_targets
 from spread.errors import NonFiniteLossError
 from spread.memory.accumulation import check_accumulation_steps, micro_batches
 from spread.strategies import Strategy, make_strategy
@@ -24,17 +25,6 @@ from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 
 NONFINITE_POLICIES = ("raise", "skip_step")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, dict) and {"x", "y"} <= batch.keys():
-        return batch["x"], batch["y"]
-    raise TypeError(
-        "Trainer expects batches of (inputs, targets) or {'x': ..., 'y': ...}; "
-        f"got {type(batch).__name__}. Use a custom loop for other shapes."
-    )
 
 
 def _num_samples(y: Any) -> int:
@@ -106,7 +96,7 @@ class Trainer:
 
     def replica_train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one replica's batch (``strategy.run`` calls it on each replica)."""
-        x, y = _split_batch(batch)
+        x, y = inputs_and_targets(batch, who="Trainer")
         if self.accumulation_steps > 1:
             return self._accumulate_replica_step(x, y)
         n = _num_samples(y)
@@ -132,7 +122,7 @@ class Trainer:
         return stats
 
     def _eval_replica_step(self, batch: Any) -> torch.Tensor:
-        x, y = _split_batch(batch)
+        x, y = inputs_and_targets(batch, who="Trainer")
         with torch.no_grad():
             y_pred = self.model(x)
             n = _num_samples(y)
