@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from spread.testing import reap_survivors
 
 STEPS_PER_TASK = 10  # 160 samples, global batch 32: 5 steps per epoch, 2 epochs
@@ -177,26 +175,6 @@ def test_async_mode_sigkilled_chief_restart_applies_every_step_exactly_once(tmp_
     assert figures["resumed_at"][1] >= 5, figures  # the worker's steps the backup holds are kept
     ledger = _assert_every_step_applied_once(run["ledger"])
     print("FIGURES ps async", json.dumps({**figures, **ledger}))
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_from_servers_reads_this_tasks_prefix(mode):
-    """The ledger arithmetic on its own: async resumes after the shortest prefix any server holds and
-    keeps the session; sync resumes at the servers' common version."""
-    import spread
-
-    strategy = spread.ParameterServerStrategy.__new__(spread.ParameterServerStrategy)
-    strategy.mode, strategy._session, strategy.local_step = mode, "fresh", 0
-    strategy.cluster = type("C", (), {"rank": 1})()
-    ledgers = {
-        "0": {"version": 7, "applied_ids": ["w0.aa.0", "w1.bb.0", "w1.bb.1", "w1.bb.2", "sync:0"]},
-        "1": {"version": 7, "applied_ids": ["w1.bb.0", "w1.bb.1", "w0.aa.0"]},
-    }
-    held = strategy.resume_from_servers({"ledgers": ledgers})
-    if mode == "async":
-        assert (held, strategy._session, strategy.local_step) == (2, "bb", 2)
-    else:
-        assert (held, strategy.local_step) == (7, 7)
 
 
 def test_a_step_held_by_one_server_only_is_applied_once_after_the_restore(monkeypatch):

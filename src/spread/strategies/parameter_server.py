@@ -58,6 +58,7 @@ from spread.ps.at_exit import close_at_exit
 from spread.ps.client import DEFAULT_TIMEOUT, PSClient
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
+from spread.ps.restore import BackupId, StartAnnouncements, resume_point
 from spread.ps.server import serve
 from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
@@ -65,7 +66,6 @@ from spread.strategies.base import ChiefRestore, Strategy, one_replica_tensor
 from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
-FRESH_START = "fresh-start-"  # what the chief announces to the servers when there is no backup
 TOKEN_ENV = env.JOB_TOKEN
 _DEFAULT_TOKEN = "spread-default-job-token"
 
@@ -155,7 +155,7 @@ class ParameterServerStrategy(Strategy):
         self._hooks: list[Any] = []
         self._touched: dict[str, list[torch.Tensor]] = {}
         self._session = secrets.token_hex(4)
-        self._starts = 0  # BackupAndRestore starts (fits) so far: stamps name the fit they belong to
+        self._announcements = StartAnnouncements(self.client)  # how each fit starts (BackupAndRestore)
         self.local_step = 0
         self._task_step_id: StepId | None = None  # see running_task()
         self._wait_for_workers_on_close = True  # see leave_worker_shutdown_to_coordinator()
@@ -395,94 +395,37 @@ class ParameterServerStrategy(Strategy):
             config["optimizer"] = payload["optimizer"]
         ledgers = None
         if restored_from is not None:
-            stamp = self._stamp(restored_from)
+            stamp = self._announcements.stamp(restored_from)
             ledgers = {
                 int(s): {**payload.get("ledgers", {}).get(s, {}), "restored_from": stamp} for s in servers
             }
         self.client.load({int(s): tensors for s, tensors in servers.items()}, config, ledgers)
         self.pull()
 
-    def announce_fresh_start(self) -> None:
-        """The chief found no backup: tell the servers, so the other tasks start from step 0 too."""
-        self.client.announce(self._stamp(f"{FRESH_START}{secrets.token_hex(6)}"))
-
-    def _stamp(self, name: str) -> str:
-        """``<fit number>/<name>``: a task's second ``fit`` must not take the first one's word."""
-        stamp = f"{self._starts}/{name}"
-        self._starts += 1
-        return stamp
-
-    def wait_for_restore(self, timeout: float | None = None) -> str | None:
+    def wait_for_restore(self, timeout: float | None = None) -> BackupId | None:
         """Block until the chief has said how this job starts (every server restored from one backup,
-        or a fresh start), then pull the variables; returns the backup's name, or None for a fresh start.
-
-        The servers are the only place every task can see the chief's decision: a task must not read
-        the backup directory itself, since the chief of this very job may have written a newer backup
-        there by the time a slow task starts. Assumes servers start with the job (as under
-        ``spread run``, which relaunches them with every attempt)."""
+        or a fresh start), then pull the variables; returns the backup's id, or None for a fresh
+        start (see :mod:`spread.ps.restore`)."""
         budget = self.init_timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        prefix = f"{self._starts}/"
-        while True:
-            names = {s.get("restored_from") or "" for s in self.client.stats()}
-            if len(names) == 1 and next(iter(names)).startswith(prefix):
-                break
-            if time.monotonic() > deadline:
-                raise SpreadError(
-                    f"rank {self.rank}: the chief did not say within {budget:g}s whether the parameter "
-                    f"servers were restored from a backup (servers report {sorted(names)}; is the chief "
-                    f"running BackupAndRestore?)"
-                )
-            time.sleep(0.05)
+        backup = self._announcements.wait(rank=self.rank, timeout=budget)
         self.pull()
-        self._starts += 1
-        name = names.pop()[len(prefix) :]
-        return None if name.startswith(FRESH_START) else name
+        return backup
 
     def resume_from_servers(self, payload: dict[str, Any] | None = None) -> int:
         """Continue this task's step numbering after a restore; returns how many of this task's steps
         the restored servers hold (it resumes with the next one). ``payload``: the backup's
         :meth:`server_state`; default: the servers' current ledgers (the same for this task's steps
-        as long as it has not pushed since the restore).
-
-        Sync mode: every server applied the same steps (``version``). Async mode: a server records
-        the id of every step it applied; this task's steps reach the servers in order, so each
-        server holds a prefix of them, and the servers' snapshots (taken one after another) may
-        differ by the step that was in flight. The task resumes after the shortest prefix and keeps
-        its step ids (its session), so a step that some servers already hold is dropped there as a
-        duplicate and applied by the others: after the restore, no step is lost or applied twice.
+        as long as it has not pushed since the restore). See :func:`spread.ps.restore.resume_point`.
         """
         if payload is None:
             ledgers = self.server_stats(ids=True)
         else:
             ledgers = list((payload.get("ledgers") or {}).values())
-        if self.mode == "sync":
-            versions = {int(ledger.get("version", 0)) for ledger in ledgers}
-            if len(versions) > 1:
-                raise SpreadError(f"sync-mode servers were saved at different steps: {sorted(versions)}")
-            steps = versions.pop() if versions else 0
-        else:
-            sessions, per_server = set(), []
-            for ledger in ledgers:
-                held = 0
-                for text in ledger.get("applied_ids", []):
-                    try:
-                        step_id = StepId.decode(str(text))
-                    except ValueError:
-                        continue  # not a step id of this version's forms: no task's step
-                    if step_id.task == self.rank:
-                        sessions.add(step_id.session)
-                        held = max(held, step_id.number + 1)
-                per_server.append(held)
-            if len(sessions) > 1:
-                raise SpreadError(
-                    f"rank {self.rank}: the backup holds steps of several sessions {sorted(sessions)}"
-                )
-            if sessions:
-                self._session = sessions.pop()
-            steps = min(per_server) if per_server else 0
-        self.local_step = steps
-        return steps
+        point = resume_point(ledgers, mode=self.mode, rank=self.rank)
+        if point.session is not None:
+            self._session = point.session
+        self.local_step = point.steps
+        return point.steps
 
     # -- backups (the strategy contract BackupAndRestore relies on) ---------------------------------
     @property
@@ -490,11 +433,10 @@ class ParameterServerStrategy(Strategy):
         return True  # the servers hold the shared state; the chief restores them, the others wait
 
     def wait_for_chief_restore(self) -> ChiefRestore | None:
-        restored_from = self.wait_for_restore()
-        if restored_from is None:
+        backup = self.wait_for_restore()
+        if backup is None:
             return None
-        backup_step = int(restored_from.split("-", 1)[0])
-        return ChiefRestore(backup_step=backup_step, resume_step=self.resume_from_servers())
+        return ChiefRestore(backup_step=backup.step, resume_step=self.resume_from_servers())
 
     def ranks_with_own_backup(self) -> list[int]:
         # Sync mode resumes bit for bit, so every task's RNG states matter, and tasks share no
@@ -502,11 +444,11 @@ class ParameterServerStrategy(Strategy):
         return list(range(1, self.num_workers)) if self.mode == "sync" else []
 
     def backup_extras(self, global_step: int) -> dict[str, Any]:
-        return {"servers": self.server_state(), "backup_id": f"{global_step}-{secrets.token_hex(6)}"}
+        return {"servers": self.server_state(), "backup_id": BackupId.new(global_step).encode()}
 
     def restore_backup_extras(self, extras: Mapping[str, Any] | None, global_step: int) -> None:
         if extras is None:
-            self.announce_fresh_start()
+            self._announcements.announce_fresh_start()
             return
         servers, backup_id = extras["servers"], extras["backup_id"]
         self.load_server_state(servers, restored_from=backup_id)
