@@ -33,7 +33,6 @@ into a one-device model); loading a one-device ``state_dict`` into ``model`` on 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spread.checkpoint.optimizer_exchange import broadcast_optimizer_state
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
@@ -486,60 +486,10 @@ class PipelineStrategy(Strategy):
                 owned = sorted(
                     index[id(p)] for layer in layers[start:end] for p in layer.parameters() if id(p) in index
                 )
-                merged.update(self._broadcast_state(local["state"], owned, src=s))
+                merged.update(
+                    broadcast_optimizer_state(self.world, local["state"], owned, src=s, device=self._device)
+                )
         return {"state": merged, "param_groups": local["param_groups"]}
-
-    def _broadcast_state(
-        self, state: dict[int, dict[str, Any]], owned: list[int], src: int
-    ) -> dict[int, dict[str, Any]]:
-        """Rank ``src``'s optimizer state for the parameter indices ``owned``, on every rank: a JSON
-        description (keys, dtypes, shapes, plain values; never a pickle), then the tensors."""
-        mine = self.rank == src
-        entries: list[list[Any]] = []
-        tensors: list[torch.Tensor] = []
-        if mine:
-            for i in owned:
-                for key, value in state.get(i, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        dtype_name = str(value.dtype).removeprefix("torch.")
-                        entries.append(
-                            [i, key, "tensor", dtype_name, list(value.shape), value.device.type == "cpu"]
-                        )
-                        tensors.append(value.detach().to(self.world.device))
-                    elif value is None or isinstance(value, (bool, int, float)):
-                        entries.append([i, key, "value", value])
-                    else:
-                        raise TypeError(
-                            f"optimizer state {i}.{key} is a {type(value).__name__}; cannot gather it"
-                        )
-        blob = torch.tensor(list(json.dumps(entries).encode()) if mine else [], dtype=torch.uint8)
-        size = torch.tensor([blob.numel()], dtype=torch.int64, device=self.world.device)
-        self.world.broadcast(size, src=src, name="optimizer_state_header_size")
-        header = (
-            blob.to(self.world.device)
-            if mine
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=self.world.device)
-        )
-        self.world.broadcast(header, src=src, name="optimizer_state_header")
-        if not mine:
-            entries = json.loads(bytes(header.cpu().tolist()).decode())
-            for entry in entries:
-                if entry[2] == "tensor":
-                    dtype = getattr(torch, entry[3], None)
-                    if not isinstance(dtype, torch.dtype):
-                        raise SpreadError(f"rank {src} described optimizer state with dtype {entry[3]!r}")
-                    tensors.append(torch.empty(entry[4], dtype=dtype, device=self.world.device))
-        self.world.broadcast_tensors(tensors, src=src, name="pipeline_optimizer_state")
-        out: dict[int, dict[str, Any]] = {}
-        pending = iter(tensors)
-        for entry in entries:
-            i, key = int(entry[0]), str(entry[1])
-            if entry[2] == "tensor":
-                value = next(pending)
-                out.setdefault(i, {})[key] = (value.cpu() if entry[5] else value.to(self._device)).clone()
-            else:
-                out.setdefault(i, {})[key] = entry[3]
-        return out
 
     def gather_from_every_rank(self, value: torch.Tensor) -> torch.Tensor:
         """Equally shaped tensors of every rank (every stage of every replica), stacked in rank order:
