@@ -92,7 +92,7 @@ class EarlyStopping(Callback):
         return {k: v.detach().to("cpu", copy=True) for k, v in self.trainer.model.state_dict().items()}
 
     def _print(self, message: str) -> None:
-        if self.verbose and getattr(self.trainer, "is_chief", True):
+        if self.verbose and self.trainer.is_chief:
             print(message, file=sys.stdout, flush=True)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:

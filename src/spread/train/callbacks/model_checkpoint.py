@@ -150,7 +150,7 @@ class ModelCheckpoint(Callback):
     def _format_path(self, epoch: int, batch: int | None, logs: Logs) -> str:
         fields: dict[str, Any] = {name: value for name, value in logs.items() if name != "size"}
         fields["epoch"] = epoch + 1
-        fields["global_step"] = getattr(self.trainer, "global_step", 0)
+        fields["global_step"] = self.trainer.global_step
         if batch is not None:
             fields["batch"] = batch + 1
         try:
@@ -172,7 +172,7 @@ class ModelCheckpoint(Callback):
             "model": model_state,
             "optimizer": optimizer_state,
             "epoch": epoch,
-            "global_step": getattr(self.trainer, "global_step", 0),
+            "global_step": self.trainer.global_step,
         }
 
     def _warn_missing(self, logs: Logs) -> None:

@@ -145,7 +145,7 @@ class ProgressBar(Callback):
 
     # -- text ---------------------------------------------------------------------------------------
     def _params(self) -> tuple[int | None, int | None]:
-        params = getattr(self.trainer, "params", None) or {}
+        params = self.trainer.params
         return params.get("epochs"), params.get("steps")
 
     def _epoch_name(self, epoch: int) -> str:
