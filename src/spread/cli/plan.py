@@ -134,6 +134,7 @@ def _run(args: argparse.Namespace) -> int:
     from spread.plan.calibration import CalibrationError
     from spread.plan.capture import CaptureError, capture_factory, capture_script
     from spread.plan.concurrency import replica_counts
+    from spread.plan.machine_load import busy_cores_elsewhere, load_warning
     from spread.plan.predict import STRATEGY_NAMES, Options
     from spread.plan.report import plot, render
     from spread.plan.workload import measure_model
@@ -154,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.compute_scale != 1.0:
             cluster = replace(cluster, compute_scale=args.compute_scale)
         script_args = shlex.split(args.script_args)
+        busy_before = busy_cores_elsewhere()
         workload = capture_factory(args.model) if args.model else capture_script(args.script, script_args)
         threads = sorted({1, cores or 1, max(1, (cores or 1) // cluster.devices_per_node)})
         profile = measure_model(
@@ -166,6 +168,7 @@ def _run(args: argparse.Namespace) -> int:
             concurrency=replica_counts(min(cluster.devices_per_node, 2 * cores)) if cores else (),
             name=workload.source,
         )
+        busy = max(busy_before, busy_cores_elsewhere())
         options = Options(
             global_batch=args.global_batch or workload.global_batch,
             accumulation_steps=args.accumulation_steps,
@@ -176,10 +179,19 @@ def _run(args: argparse.Namespace) -> int:
     except (PlanError, CalibrationError, CaptureError, ValueError) as exc:
         print(f"spread plan: {exc}", file=sys.stderr)
         return 2
+    warning = load_warning(busy, os.cpu_count() or 1)
+    if warning is not None:
+        print(f"spread plan: warning: {warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps(_as_json(plan), indent=2))
+        print(
+            json.dumps(
+                {**_as_json(plan), "busy_cores_elsewhere": round(busy, 2), "warning": warning}, indent=2
+            )
+        )
     else:
         print(render(plan, profile), end="")
+        if warning is not None:
+            print(f"warning: {warning}")
     if args.plot:
         try:
             print(f"wrote {plot(plan, profile, args.plot_max_devices, args.plot)}")

@@ -83,8 +83,9 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
             )
         )
 
-    argv = sys.argv
+    argv, search_path = sys.argv, list(sys.path)
     sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python path` does: imports beside it
     Trainer.fit = fit  # type: ignore[method-assign]
     try:
         with _single_process_environment():
@@ -96,6 +97,7 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
     finally:
         Trainer.fit = original_fit  # type: ignore[method-assign]
         sys.argv = argv
+        sys.path[:] = search_path
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()  # a strategy the script built and never closed
     raise CaptureError(

@@ -1,0 +1,74 @@
+"""``spread plan script.py`` runs scripts as ``python script.py`` would, whatever strategy they build."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from spread.plan.capture import CaptureError, capture_script
+
+
+def _write_script_with_a_module_beside_it(folder, strategy: str) -> str:
+    (folder / "plan_capture_helper_model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            class SmallCNN(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.conv = nn.Conv2d(1, 4, 3, padding=1)
+                    self.head = nn.Linear(4, 10)
+
+                def forward(self, x):
+                    return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+            """
+        )
+    )
+    script = folder / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            from torch import nn
+
+            import spread
+            from plan_capture_helper_model import SmallCNN
+
+            strategy = spread.{strategy}()
+            with strategy.scope():
+                model = SmallCNN()
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            x, y = torch.randn(96, 1, 8, 8), torch.randint(0, 10, (96,))
+            trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
+            trainer.fit(torch.utils.data.TensorDataset(x, y), epochs=1, global_batch_size=32)
+            raise AssertionError("spread plan must stop the script at fit")
+            """
+        )
+    )
+    return str(script)
+
+
+@pytest.mark.parametrize("strategy", ["OneDeviceStrategy", "MultiWorkerMirroredStrategy"])
+def test_a_script_importing_a_module_beside_it_is_captured_at_fit(tmp_path, strategy):
+    path = _write_script_with_a_module_beside_it(tmp_path, strategy)
+    search_path = list(sys.path)
+    try:
+        workload = capture_script(path)
+    finally:
+        sys.modules.pop("plan_capture_helper_model", None)
+    assert type(workload.model).__name__ == "SmallCNN" and workload.global_batch == 32
+    assert tuple(workload.inputs.shape) == (32, 1, 8, 8) and workload.optimizer is not None
+    assert sys.path == search_path  # the script's folder is on the path only while it runs
+    assert not torch.distributed.is_initialized()  # a strategy the script left open is released
+
+
+def test_a_script_that_never_calls_fit_gets_a_clear_error(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text("print('custom loop')\n")
+    with pytest.raises(CaptureError, match=r"finished without calling spread\.Trainer\.fit"):
+        capture_script(str(script))
