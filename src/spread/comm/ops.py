@@ -18,7 +18,8 @@ import torch.distributed as dist
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_LOST_MARKERS = ("connection closed", "connection reset", "broken pipe", "connection refused", "eof")
+# gloo and NCCL report failures as text only: this is the one place it is read
+_LOST_MARKERS = ("connection", "broken pipe", "eof", "socket")
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 
 

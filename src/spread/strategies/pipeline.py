@@ -508,7 +508,7 @@ class PipelineStrategy(Strategy):
             raise
         except (CollectiveError, RuntimeError, dist.DistError) as exc:
             err = exc if isinstance(exc, CollectiveError) else classify_error(self.rank, what, -1, exc)
-            if not isinstance(err, (PeerLostError, CollectiveTimeout)) and not _looks_lost(err.detail):
+            if not isinstance(err, (PeerLostError, CollectiveTimeout)):
                 raise  # not a communication failure (a bug in the model, a shape mismatch): as it is
             suspects = [err.peer] if err.peer is not None else []
             dead = self.heartbeat.diagnose(suspects)
@@ -544,11 +544,6 @@ def _release_groups(groups: list, collectives: list[Collectives]) -> None:
     for group in groups:
         destroy_group(group)
     groups.clear()
-
-
-def _looks_lost(detail: str) -> bool:
-    text = detail.lower()
-    return any(m in text for m in ("connection", "broken pipe", "timed out", "timeout", "eof", "socket"))
 
 
 def _check_args(
