@@ -67,3 +67,18 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
         x, y = a[k].double(), b[k].double()
         worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)))
     return worst
+
+
+def fit_with_trainer(strategy, *, global_batch: int, accumulation_steps: int = 1, epochs: int = 2) -> dict:
+    """``Trainer.fit`` on the shared data; the model's one-device state_dict afterwards."""
+    import spread
+
+    with strategy.scope():
+        model = make_model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    trainer = spread.Trainer(
+        model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, accumulation_steps=accumulation_steps
+    )
+    trainer.fit(make_data(), epochs=epochs, global_batch_size=global_batch, verbose=0)
+    state = strategy.model_state_dict(model)  # collective under a pipeline
+    return {k: v.detach().clone() for k, v in state.items()}

@@ -12,6 +12,7 @@ import torch
 from _batchnorm_cases import (
     GLOBAL_BATCH,
     STEPS,
+    fit_with_trainer,
     make_data,
     make_model,
     max_relative_difference,
@@ -163,6 +164,41 @@ def test_multi_worker_mirrored_evaluate_uses_the_common_statistics():
     assert per_rank[0]["logs"] == pytest.approx(expected, rel=1e-5)
 
 
+def _hybrid_pipeline() -> dict:
+    strategy = spread.PipelineStrategy(stages=2, microbatches=2, replicas=2, split_points=[5])
+    try:
+        state = fit_with_trainer(strategy, global_batch=20)
+        assert strategy.stage_module is not None
+        own = {k: v.clone() for k, v in strategy.stage_module.state_dict().items()}
+        return {"state": state, "stage": strategy.stage, "own": own}
+    finally:
+        strategy.close()
+
+
+def test_hybrid_pipeline_batchnorm_is_thread_replicas_accumulating_microbatches():
+    """What BatchNorm in a pipeline equals: each stage normalises micro-batches; a stage's replicas
+    average their buffers after each step. That is MirroredStrategy with the same replicas, each
+    accumulating the same micro-batches (37 samples in batches of 20: micro-batches of 4 to 5)."""
+    per_rank = run_ranks(_hybrid_pipeline, 4, timeout=240)
+    threads = spread.MirroredStrategy(num_replicas=2, intra_op_threads=1)
+    try:
+        expected = fit_with_trainer(threads, global_batch=20, accumulation_steps=2)
+    finally:
+        threads.close()
+    for rank, result in enumerate(per_rank):
+        diff = max_relative_difference(result["state"], expected)
+        assert diff <= TOLERANCE, f"rank {rank}: max relative difference {diff:.2e}"
+    for a, b in ((0, 2), (1, 3)):  # the same stage on both pipeline replicas: the same buffers
+        assert per_rank[a]["stage"] == per_rank[b]["stage"]
+        for key, value in per_rank[a]["own"].items():
+            assert torch.equal(value, per_rank[b]["own"][key]), f"stage {per_rank[a]['stage']}: {key}"
+
+
+def test_pipeline_refuses_sync_batchnorm():
+    with pytest.raises(ValueError, match="PipelineStrategy does not support sync_batchnorm=True"):
+        spread.PipelineStrategy(stages=2, sync_batchnorm=True)
+
+
 # -- refusals and failures ----------------------------------------------------------------------------
 def test_sync_batchnorm_must_be_a_bool():
     with pytest.raises(TypeError, match="sync_batchnorm must be True or False, got 'yes'"):
@@ -202,3 +238,8 @@ def test_a_failing_replica_releases_the_others_from_the_statistics_exchange():
             strategy.run(lambda b: bn(b).sum().backward(), args=(batch,))
     finally:
         strategy.close()
+
+
+def test_parameter_servers_refuse_sync_batchnorm():
+    with pytest.raises(ValueError, match="ParameterServerStrategy does not support sync_batchnorm=True"):
+        spread.ParameterServerStrategy(sync_batchnorm=True)

@@ -11,10 +11,11 @@ optimizer step, :meth:`BufferAverager.sync` makes them equal again:
   global batch's mean). Averaging keeps every rank's information; broadcasting rank 0's (what DDP's
   ``broadcast_buffers`` does) throws the others' away for the same cost;
 * integer buffers (``num_batches_tracked``) are counts every rank advances alike: they are not
-  averaged but broadcast from rank 0, so they cannot drift either.
+  averaged; each becomes the largest value over the ranks (equal to every rank's when they agree,
+  and no rank can fall behind when one did not run a forward), so they cannot drift either.
 
 Cost: one all-reduce of all floating buffers packed in one flat tensor per dtype (BatchNorm: two
-values per channel), plus one broadcast for the integer ones, once per step.
+values per channel), plus one small max all-reduce for the integer ones, once per step.
 
 The exchange carries each rank's change since the last sync (``w_r * (b_r - last)``, summed, added
 to ``last``), not the buffers themselves: a buffer nobody changed (a constant mask, positional
@@ -31,7 +32,7 @@ from spread.comm.ops import Collectives
 
 
 class BufferAverager:
-    """Weighted average of float buffers and rank 0's integer buffers over a process group."""
+    """Weighted average of float buffers, and the largest value of integer ones, over a process group."""
 
     def __init__(self, buffers: Sequence[torch.Tensor], collectives: Collectives) -> None:
         self.collectives = collectives
@@ -63,7 +64,7 @@ class BufferAverager:
     @torch.no_grad()
     def sync(self, weight: float) -> None:
         """Collective: every rank's float buffers become ``sum_r weight_r * buffer_r`` (``weight`` is
-        this rank's; the weights must sum to 1 over the ranks), integer buffers rank 0's."""
+        this rank's; the weights must sum to 1 over the ranks), integer buffers their largest value."""
         if self.collectives.world_size == 1:
             return
         for i, group in enumerate(self._floats):
@@ -76,4 +77,9 @@ class BufferAverager:
                 t.copy_(merged[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         if self._integers:
-            self.collectives.broadcast_tensors(self._integers, src=0, name="sync_integer_buffers")
+            flat = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in self._integers])
+            self.collectives.all_reduce(flat, "max", name="sync_integer_buffers")
+            offset = 0
+            for t in self._integers:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
