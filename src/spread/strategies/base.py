@@ -335,6 +335,13 @@ class Strategy(abc.ABC):
         return self.gather(value) if self.num_replicas_in_sync > 1 else value
 
     @property
+    def holds_current_weights(self) -> bool:
+        """Whether this process's model holds every variable's current value after each step (what
+        a weight average such as ``spread.callbacks.EMA`` reads). False where the model is a partial
+        cache of variables held elsewhere."""
+        return True
+
+    @property
     def state_is_collective(self) -> bool:
         """Whether :meth:`model_state_dict` and :meth:`optimizer_state_dict` are collectives that
         every rank must call (the chief alone does not hold the whole model up to date)."""

@@ -207,6 +207,12 @@ class ParameterServerStrategy(Strategy):
         world, rank = self.cluster.world_size, self.cluster.rank
         return ReplicaLayout(world, rank, 1, process_index=rank, num_processes=world)
 
+    @property
+    def holds_current_weights(self) -> bool:
+        """False: the variables live on the servers; embedding tables hold only the rows pulled for
+        recent batches, and async tasks see each other's updates only when they pull."""
+        return False
+
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager
     def scope(self) -> Iterator[Strategy]:

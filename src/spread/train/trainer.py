@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -79,6 +80,7 @@ class Trainer:
         self.running_sums: RunningSums | None = None  # the current epoch's loss and metric sums
         self.resume_point: dict[str, Any] | None = None  # set by BackupAndRestore in on_train_begin
         self.history = History()
+        self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         if not self.strategy.is_managed(model):
             self.strategy.prepare_model(model)
 
@@ -171,6 +173,7 @@ class Trainer:
         if verbose:
             defaults.append(ProgressBar(verbose=verbose))
         cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
+        self.active_callbacks = list(cbs)
         self.stop_training = False
         self.train_dataset = train
         self.resume_point = None
@@ -210,6 +213,7 @@ class Trainer:
             if self.stop_training:
                 break
         cbs.call("on_train_end", logs)
+        self.active_callbacks = []
         return self.history
 
     def _train_step(self, batch: Any) -> torch.Tensor:
@@ -233,6 +237,7 @@ class Trainer:
         dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
         was_training = self.model.training
         self.model.eval()
+        weights = self._evaluation_weights(cbs or [])
         sums = RunningSums(list(self.metrics))
         try:
             for step, batch in enumerate(dataset):
@@ -242,8 +247,20 @@ class Trainer:
                 if cbs is not None:
                     cbs.call("on_test_batch_end", step, sums.results())
         finally:
+            weights.close()
             self.model.train(was_training)
         return sums.results()
+
+    def _evaluation_weights(self, extra: Iterable[Callback]) -> ExitStack:
+        """Enter the ``evaluation_weights()`` of this trainer's callbacks, the running fit's and
+        ``extra`` (each once); closing the stack swaps the training weights back."""
+        stack = ExitStack()
+        seen: set[int] = set()
+        for cb in [*self.callbacks, *self.active_callbacks, *extra]:
+            if id(cb) not in seen and cb.runs_on(self):
+                seen.add(id(cb))
+                stack.enter_context(cb.evaluation_weights())
+        return stack
 
     def evaluate(
         self,
@@ -267,6 +284,7 @@ class Trainer:
         dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
         was_training = self.model.training
         self.model.eval()
+        weights = self._evaluation_weights([])
         outputs = []
 
         def replica_predict(batch: Any) -> torch.Tensor:
@@ -278,5 +296,6 @@ class Trainer:
             for batch in dataset:
                 outputs.append(self.strategy.gather(self.strategy.run(replica_predict, args=(batch,))))
         finally:
+            weights.close()
             self.model.train(was_training)
         return torch.cat(outputs) if outputs else torch.empty(0)
