@@ -10,12 +10,13 @@ optimizer step, :meth:`BufferAverager.sync` makes them equal again:
   one device would make from the replicas' weighted statistics (for the running mean, exactly the
   global batch's mean). Averaging keeps every rank's information; broadcasting rank 0's (what DDP's
   ``broadcast_buffers`` does) throws the others' away for the same cost;
-* integer buffers (``num_batches_tracked``) are counts every rank advances alike: they are not
-  averaged; each becomes the largest value over the ranks (equal to every rank's when they agree,
-  and no rank can fall behind when one did not run a forward), so they cannot drift either.
+* integer and boolean buffers (``num_batches_tracked``) are not averaged: they travel in the same
+  exchange and come back as the weighted average of their changes *rounded to an integer*, which
+  is every rank's change when the ranks agree (they advance alike), so they cannot drift either.
 
-Cost: one all-reduce of all floating buffers packed in one flat tensor per dtype (BatchNorm: two
-values per channel), plus one small max all-reduce for the integer ones, once per step.
+Cost: one all-reduce per step of every buffer packed into one flat float64 tensor (BatchNorm: two
+values per channel and a counter per layer; float64 holds float32/float16/bfloat16 values and
+counts below 2**53 exactly), the same number of collectives as a broadcast of rank 0's.
 
 The exchange carries each rank's change since the last sync (``w_r * (b_r - last)``, summed, added
 to ``last``), not the buffers themselves: a buffer nobody changed (a constant mask, positional
@@ -32,54 +33,42 @@ from spread.comm.ops import Collectives
 
 
 class BufferAverager:
-    """Weighted average of float buffers, and the largest value of integer ones, over a process group."""
+    """Weighted average of a set of buffers over a process group, one all-reduce per :meth:`sync`."""
 
     def __init__(self, buffers: Sequence[torch.Tensor], collectives: Collectives) -> None:
         self.collectives = collectives
-        self._floats: list[list[torch.Tensor]] = []
-        self._integers: list[torch.Tensor] = []
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for b in buffers:
-            if b.is_floating_point() or b.is_complex():
-                groups.setdefault((b.device, b.dtype), []).append(b)
-            else:
-                self._integers.append(b)
-        self._floats = list(groups.values())
-        self._last = [self._flatten(group) for group in self._floats]
+        self.buffers = [b for b in buffers if not b.is_complex()]
+        if len(self.buffers) != len(buffers):
+            raise TypeError("BufferAverager does not average complex buffers")
+        self._last = self._flatten()
 
     @property
     def num_elements(self) -> int:
-        """Floating elements exchanged per sync (what the all-reduce carries)."""
-        return sum(flat.numel() for flat in self._last)
+        """Elements exchanged per sync (what the all-reduce carries, as float64)."""
+        return self._last.numel()
 
-    @staticmethod
-    def _flatten(group: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1) for t in group])
+    def _flatten(self) -> torch.Tensor:
+        if not self.buffers:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in self.buffers])
 
     def reset(self) -> None:
         """Take the buffers as they are now as the common starting point (after they were made
         equal some other way, e.g. a broadcast or a checkpoint loaded on every rank)."""
-        self._last = [self._flatten(group) for group in self._floats]
+        self._last = self._flatten()
 
     @torch.no_grad()
     def sync(self, weight: float) -> None:
-        """Collective: every rank's float buffers become ``sum_r weight_r * buffer_r`` (``weight`` is
-        this rank's; the weights must sum to 1 over the ranks), integer buffers their largest value."""
-        if self.collectives.world_size == 1:
+        """Collective: every rank's buffers become ``sum_r weight_r * buffer_r`` (``weight`` is this
+        rank's; the weights must sum to 1 over the ranks); integer buffers rounded."""
+        if self.collectives.world_size == 1 or not self.buffers:
             return
-        for i, group in enumerate(self._floats):
-            last = self._last[i]
-            delta = self._flatten(group).sub_(last).mul_(weight)
-            self.collectives.all_reduce(delta, name="sync_buffers")
-            merged = last.add_(delta)
-            offset = 0
-            for t in group:
-                t.copy_(merged[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-        if self._integers:
-            flat = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in self._integers])
-            self.collectives.all_reduce(flat, "max", name="sync_integer_buffers")
-            offset = 0
-            for t in self._integers:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        delta = self._flatten().sub_(self._last).mul_(weight)
+        self.collectives.all_reduce(delta, name="sync_buffers")
+        merged = self._last.add_(delta)
+        offset = 0
+        for t in self.buffers:
+            part = merged[offset : offset + t.numel()].view_as(t)
+            t.copy_(part.round_() if not t.is_floating_point() else part)
+            part.copy_(t)  # what the buffer holds after rounding to its dtype: the next starting point
+            offset += t.numel()

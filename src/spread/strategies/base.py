@@ -94,11 +94,11 @@ class Strategy(abc.ABC):
 
     Buffers (BatchNorm's running statistics and the like) are kept in sync too, by default: after
     each optimizer step every replica holds the average of the replicas' buffers, weighted by their
-    shares of the global batch (integer buffers such as ``num_batches_tracked`` are not averaged:
-    they advance alike and are kept equal). Running statistics are linear in the batch statistics,
-    so this is one update from every replica's slice rather than rank 0's alone: saved models and
-    evaluation are the same on every rank. Thread replicas share one module and get the same update
-    once per step (see :mod:`spread.strategies.batchnorm`).
+    shares of the global batch (integer buffers such as ``num_batches_tracked`` get the average
+    change rounded: they advance alike and are kept equal). Running statistics are linear in the
+    batch statistics, so this is one update from every replica's slice rather than rank 0's alone:
+    saved models and evaluation are the same on every rank. Thread replicas share one module and
+    get the same update once per step (see :mod:`spread.strategies.batchnorm`).
 
     Args:
         sync_batchnorm: BatchNorm layers normalise with the mean and variance of the *global* batch

@@ -7,15 +7,16 @@ threads of one process. Here one autograd function serves every strategy; what d
 tensor is summed over the replicas (a :data:`SumOverReplicas`): an all-reduce on a process group, or
 a rendezvous of the replica threads (:class:`ThreadReplicaSum`).
 
-Forward: each replica sums ``x`` and ``x**2`` per channel (in float64) and counts its elements; one
-exchange of ``[sum, sum of squares, count]`` gives every replica the global mean and variance, which
-normalise its slice. Backward: the input gradient of batch normalisation needs ``sum(g)`` and
-``sum(g * x_hat)`` over the global batch, one more exchange. A replica's loss is the mean over its
-own slice and the strategy weights its parameter gradients by its share ``w_r = n_r / N``; the true
-gradient at a replica's output is therefore ``w_r`` times the one autograd hands it, and the input
-gradient returned is scaled back by ``1 / w_r``, so that after the strategy's weighting every weight
-upstream gets exactly the gradient of one device on the global batch. The affine parameters'
-gradients are the local sums; the strategy's gradient exchange adds them up, as for any parameter.
+Forward: each replica computes its slice's per-channel mean and variance (one native pass) and
+counts its elements; one exchange of ``[n * mean, n * (var + mean**2), n]`` (float64) gives every
+replica the global mean and variance, which normalise its slice. Backward: the input gradient of
+batch normalisation needs ``sum(g)`` and ``sum(g * x_hat)`` over the global batch, one more
+exchange. A replica's loss is the mean over its own slice and the strategy weights its parameter
+gradients by its share ``w_r = n_r / N``; the true gradient at a replica's output is therefore
+``w_r`` times the one autograd hands it, and the input gradient returned is scaled back by ``1 /
+w_r``, so that after the strategy's weighting every weight upstream gets exactly the gradient of one
+device on the global batch. The affine parameters' gradients are the local sums; the strategy's
+gradient exchange adds them up, as for any parameter.
 
 Running statistics under ``sync_batchnorm``: updated from the global mean and (unbiased) variance,
 the same on every replica, as one device would. Without it, on thread replicas (which share one
@@ -96,7 +97,12 @@ class ThreadReplicaSum:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """``y = (x - mean) * invstd * weight + bias`` with ``mean``/``invstd`` of the global batch."""
+    """``y = (x - mean) * invstd * weight + bias`` with ``mean``/``var`` of the global batch.
+
+    Portable operators only (``torch.batch_norm`` in inference form for the forward, a few
+    elementwise passes for the backward): the fused kernels ``torch.nn.SyncBatchNorm`` uses
+    (``batch_norm_stats``, ``batch_norm_backward_reduce``/``_elemt``) exist for CUDA only.
+    """
 
     @staticmethod
     def forward(
@@ -105,49 +111,59 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         mean: torch.Tensor,
-        invstd: torch.Tensor,
+        var: torch.Tensor,
+        eps: float,
         sum_over_replicas: SumOverReplicas,
         replica_id: int,
         share: float,
     ) -> torch.Tensor:
-        shape = _channel_shape(x)
-        x_hat = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
-        y = x_hat
-        if weight is not None:
-            y = y * weight.view(shape)
-        if bias is not None:
-            y = y + bias.view(shape)
-        ctx.save_for_backward(x_hat, weight, invstd)
+        mean_x, var_x = mean.to(x.dtype), var.to(x.dtype)
+        y = torch.batch_norm(x, weight, bias, mean_x, var_x, False, 0.0, eps, torch.backends.cudnn.enabled)
+        ctx.save_for_backward(x, weight, mean, (var + eps).rsqrt())
         ctx.exchange = (sum_over_replicas, replica_id, share)
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        x_hat, weight, invstd = ctx.saved_tensors
+        x, weight, mean, invstd = ctx.saved_tensors
         sum_over_replicas, replica_id, share = ctx.exchange
         dims = _reduce_dims(grad_out)
         channels = grad_out.shape[1]
-        local_g = grad_out.sum(dims, dtype=torch.float64)
-        local_gx = (grad_out * x_hat).sum(dims, dtype=torch.float64)
+        sum_g = grad_out.sum(dims).double()
+        # sum(g * x_hat) = invstd * (sum(g * x) - mean * sum(g))
+        sum_gx_hat = invstd * ((grad_out * x).sum(dims).double() - mean * sum_g)
         # The true gradient at this replica's output is share * grad_out (see the module docstring).
-        totals = sum_over_replicas(torch.cat([local_g, local_gx]) * share, replica_id)
+        totals = sum_over_replicas(torch.cat([sum_g, sum_gx_hat]) * share, replica_id)
         grad_x = None
         n_local = grad_out.numel() // max(channels, 1)
         if ctx.needs_input_grad[0] and n_local > 0:
+            # sum(g) / N divided by the share n_r / N is sum(g) / n_r; likewise for sum(g * x_hat).
+            mean_g, mean_gx_hat = totals[:channels] / n_local, totals[channels:] / n_local
+            k = invstd * weight.double() if weight is not None else invstd
+            # grad_x = k * (g - mean_g - x_hat * mean_gx_hat), x_hat = (x - mean) * invstd,
+            # as one per-channel affine map of g and x.
+            c_x = -k * invstd * mean_gx_hat
+            c_0 = k * (mean * invstd * mean_gx_hat - mean_g)
             shape = _channel_shape(grad_out)
-            # sum(g) / N divided by the share n_r / N is sum(g) / n_r.
-            mean_g = (totals[:channels] / n_local).to(grad_out.dtype).view(shape)
-            mean_gx = (totals[channels:] / n_local).to(grad_out.dtype).view(shape)
-            scale = invstd.to(grad_out.dtype).view(shape)
-            if weight is not None:
-                scale = scale * weight.view(shape)
-            grad_x = scale * (grad_out - mean_g - x_hat * mean_gx)
+            to = grad_out.dtype
+            grad_x = torch.addcmul(
+                torch.addcmul(c_0.to(to).view(shape), x, c_x.to(to).view(shape)),
+                grad_out,
+                k.to(to).view(shape),
+            )
         elif ctx.needs_input_grad[0]:
             grad_x = torch.zeros_like(grad_out)
-        grad_w = local_gx.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_b = local_g.to(grad_out.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        grad_w = sum_gx_hat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = sum_g.to(grad_out.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _batch_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance of ``x`` in float64 (one native pass; ``var_mean`` over
+    the batch and spatial dimensions is several times slower on CPU)."""
+    mean, var = torch.batch_norm_update_stats(x.detach(), None, None, 0.0)
+    return mean.double(), var.double()
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -234,14 +250,14 @@ class BatchNormReplicas:
     ) -> torch.Tensor:
         assert self.sum_over_replicas is not None
         channels = x.shape[1]
-        dims = _reduce_dims(x)
         with torch.no_grad():
+            n = x.numel() // max(channels, 1)
+            if n > 0:
+                mean_local, var_local = _batch_statistics(x)
+            else:
+                mean_local = var_local = x.new_zeros(channels, dtype=torch.float64)
             local = torch.cat(
-                [
-                    x.detach().sum(dims, dtype=torch.float64),
-                    x.detach().square().sum(dims, dtype=torch.float64),
-                    x.new_tensor([x.numel() // max(channels, 1)], dtype=torch.float64),
-                ]
+                [mean_local * n, (var_local + mean_local.square()) * n, mean_local.new_tensor([n])]
             )
             totals = self.sum_over_replicas(local, replica_id)
             count = float(totals[-1])
@@ -252,19 +268,19 @@ class BatchNormReplicas:
                 )
             mean = totals[:channels] / count
             var = (totals[channels : 2 * channels] / count - mean.square()).clamp_min(0)
-            invstd = (var + module.eps).rsqrt()
         if module.training and module.track_running_stats and (not self.shared_module or replica_id == 0):
             _update_running(module, mean, var * (count / (count - 1)))
         return _SyncBatchNormFunction.apply(
-            x, module.weight, module.bias, mean, invstd, self.sum_over_replicas, replica_id, share
+            x, module.weight, module.bias, mean, var, module.eps, self.sum_over_replicas, replica_id, share
         )
 
     def _local_recorded(self, module: _BatchNorm, x: torch.Tensor, replica_id: int) -> torch.Tensor:
         """This replica's own statistics normalise its slice; the running update waits for the step."""
         if module.training and module.track_running_stats and x.shape[0] > 0:
             with torch.no_grad():
-                dims = _reduce_dims(x)
-                var, mean = torch.var_mean(x.detach(), dims, correction=1)
+                n = x.numel() // max(x.shape[1], 1)
+                mean, var = _batch_statistics(x)
+                var = var * (n / (n - 1)) if n > 1 else torch.full_like(var, float("nan"))
             with self._lock:
                 self._pending.setdefault(id(module), {}).setdefault(replica_id, []).append((mean, var))
         return F.batch_norm(x, None, None, module.weight, module.bias, True, 0.0, module.eps)

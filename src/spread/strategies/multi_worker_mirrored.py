@@ -7,8 +7,8 @@ optimizer step that follows is the same on every replica as on one device with t
 
 Buffers: after every optimizer step over managed parameters (a global optimizer step post-hook, so
 custom loops get it too), float buffers become the replicas' average weighted by their shares of the
-global batch and integer buffers their largest value (:class:`~spread.comm.buffers.BufferAverager`): one
-flat all-reduce per step. With ``sync_batchnorm=True`` BatchNorm layers exchange their statistics
+global batch, integer buffers rounded (:class:`~spread.comm.buffers.BufferAverager`): one flat
+all-reduce per step. With ``sync_batchnorm=True`` BatchNorm layers exchange their statistics
 over a process group of their own (so the exchange, which runs inside backward, never interleaves
 with the gradient buckets' all-reduces on the main group) and normalise with the global batch's; their
 buffers are then equal on every rank already and are left out of the averaging.
