@@ -243,3 +243,20 @@ def test_a_failing_replica_releases_the_others_from_the_statistics_exchange():
 def test_parameter_servers_refuse_sync_batchnorm():
     with pytest.raises(ValueError, match="ParameterServerStrategy does not support sync_batchnorm=True"):
         spread.ParameterServerStrategy(sync_batchnorm=True)
+
+
+def test_the_trainer_refuses_sync_batchnorm_with_accumulation():
+    strategy = spread.MirroredStrategy(num_replicas=2, intra_op_threads=1, sync_batchnorm=True)
+    try:
+        with strategy.scope():
+            model = make_model()
+        with pytest.raises(ValueError, match="accumulation_steps > 1 does not combine with sync_batchnorm"):
+            spread.Trainer(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                nn.CrossEntropyLoss(),
+                strategy=strategy,
+                accumulation_steps=2,
+            )
+    finally:
+        strategy.close()

@@ -71,6 +71,11 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.on_nonfinite = on_nonfinite
         self.accumulation_steps = check_accumulation_steps(accumulation_steps)
+        if self.accumulation_steps > 1 and self.strategy.sync_batchnorm:
+            raise ValueError(
+                "accumulation_steps > 1 does not combine with sync_batchnorm=True: statistics would be "
+                "exchanged per micro-batch, and replicas with fewer samples run fewer micro-batches"
+            )
         self.stop_training = False
         self.params: dict[str, Any] = {}
         self.epoch = 0
