@@ -189,3 +189,33 @@ def test_multi_worker_mirrored_keeps_the_one_device_average_on_every_rank():
         assert result["evaluate"] == pytest.approx(expected, rel=1e-5), f"rank {rank}"
     for key, value in per_rank[0]["shadow"].items():
         assert torch.equal(value, per_rank[1]["shadow"][key]), key
+
+
+def _pipeline_ema() -> dict:
+    strategy = spread.PipelineStrategy(stages=2, microbatches=1, split_points=[2])
+    try:
+        with strategy.scope():
+            model = _model()
+        ema = EMA(decay=0.9)
+        trainer = _trainer(model, [ema], strategy=strategy)
+        trainer.fit(_data(), epochs=2, global_batch_size=BATCH, verbose=0)
+        return {"saved": ema.state_dict(), "evaluate": trainer.evaluate(_data())}  # collective
+    finally:
+        strategy.close()
+
+
+def test_pipeline_backs_up_the_one_device_average_and_evaluates_with_it():
+    """One micro-batch: the pipeline computes what one device does; each stage averages its own
+    layers, and the backup state gathers them into the one-device layout."""
+    per_rank = run_ranks(_pipeline_ema, 2, timeout=180)
+    ema = EMA(decay=0.9)
+    trainer = _trainer(_model(), [ema])
+    trainer.fit(_data(), epochs=2, global_batch_size=BATCH, verbose=0)
+    expected = trainer.evaluate(_data())
+    assert ema.shadow is not None
+    for rank, result in enumerate(per_rank):
+        saved = result["saved"]
+        assert saved["num_updates"] == ema.num_updates
+        for key, value in ema.shadow.items():
+            torch.testing.assert_close(saved["shadow"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert result["evaluate"] == pytest.approx(expected, rel=1e-5), f"rank {rank}"
