@@ -260,3 +260,27 @@ def test_the_trainer_refuses_sync_batchnorm_with_accumulation():
             )
     finally:
         strategy.close()
+
+
+def test_a_replica_without_samples_takes_part_in_the_exchange():
+    """35 samples in batches of 17: the last batch has one sample, so replica 1 gets none."""
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(35, 3, 6, 6, generator=g), torch.randint(0, 3, (35,), generator=g))
+
+    def train(strategy) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(
+                nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 3)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
+        trainer.fit(data, epochs=2, global_batch_size=17, verbose=0, shuffle=False)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    expected = train(spread.OneDeviceStrategy("cpu"))
+    strategy = spread.MirroredStrategy(num_replicas=2, intra_op_threads=1, sync_batchnorm=True)
+    try:
+        assert max_relative_difference(train(strategy), expected) <= TOLERANCE
+    finally:
+        strategy.close()
