@@ -41,7 +41,8 @@ class Trainer:
         loss_fn: ``(y_pred, y_true) -> scalar mean loss`` over the replica's batch.
         strategy: a Strategy, a registered name ("mirrored", ...) or None for one device.
         metrics: names ("accuracy", "mse", "mae") or per-sample functions ``(y_pred, y_true) -> [n]``.
-        callbacks: added to every ``fit`` call (History and ProgressBar are added for you).
+        callbacks: added to every ``fit`` call (History and ProgressBar are added for you); their
+            ``evaluation_weights()`` (``spread.callbacks.EMA``) also apply to ``evaluate`` and ``predict``.
         on_nonfinite: ``"raise"`` stops with NonFiniteLossError before the weights change;
             ``"skip_step"`` drops that step's update and goes on.
         accumulation_steps: run each replica's slice of the global batch as this many micro-batches
