@@ -6,6 +6,7 @@ module only makes that public name importable as written.
 """
 
 from spread.train.callbacks import (
+    EMA,
     BackupAndRestore,
     Callback,
     CallbackList,
@@ -24,6 +25,7 @@ __all__ = [
     "CallbackList",
     "CSVLogger",
     "EarlyStopping",
+    "EMA",
     "History",
     "Logs",
     "ModelCheckpoint",

@@ -91,9 +91,28 @@ class Strategy(abc.ABC):
     Parameters created inside ``scope()`` (and modules passed to :meth:`prepare_model`) are *managed*:
     placed on the strategy's device, made identical on every replica when the scope exits, and kept in
     sync by gradient exchange at the end of each backward pass.
+
+    Buffers (BatchNorm's running statistics and the like) are kept in sync too, by default: after
+    each optimizer step every replica holds the average of the replicas' buffers, weighted by their
+    shares of the global batch (integer buffers such as ``num_batches_tracked`` get the average
+    change rounded: they advance alike and are kept equal). Running statistics are linear in the
+    batch statistics, so this is one update from every replica's slice rather than rank 0's alone:
+    saved models and evaluation are the same on every rank. Thread replicas share one module and
+    get the same update once per step (see :mod:`spread.strategies.batchnorm`).
+
+    Args:
+        sync_batchnorm: BatchNorm layers normalise with the mean and variance of the *global* batch
+            (summed over the replicas in the forward and backward passes; the running statistics
+            follow them): training equals one device on the same global batch. Costs two small
+            exchanges per BatchNorm layer and step. Default ``False``: each replica normalises with
+            its own slice's statistics (as ``torch.nn.parallel.DistributedDataParallel`` does).
+            Strategies where it cannot hold refuse it (pipelines, parameter servers).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, sync_batchnorm: bool = False) -> None:
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}")
+        self._sync_batchnorm = sync_batchnorm
         self._managed: dict[int, nn.Parameter] = {}
         self._managed_buffers: dict[int, torch.Tensor] = {}
         self._step_info: StepInfo | None = None
@@ -124,6 +143,11 @@ class Strategy(abc.ABC):
     def _local_devices(self) -> list[torch.device]:
         return [self.device] * self._layout.num_local_replicas
 
+    @property
+    def sync_batchnorm(self) -> bool:
+        """Whether BatchNorm layers normalise with the global batch's statistics (see the class)."""
+        return self._sync_batchnorm
+
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager
     def scope(self) -> Iterator[Strategy]:
@@ -134,12 +158,15 @@ class Strategy(abc.ABC):
         """
         created_params: list[nn.Parameter] = []
         created_buffers: list[torch.Tensor] = []
+        created_modules: list[nn.Module] = []
 
         def on_param(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            created_modules.append(module)
             if param is not None:
                 created_params.append(param)
 
         def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+            created_modules.append(module)
             if buffer is not None:
                 created_buffers.append(buffer)
 
@@ -154,12 +181,20 @@ class Strategy(abc.ABC):
             stack.callback(_pop_scope, self)
             yield self
         self._adopt(created_params, created_buffers)
+        self._on_new_modules(_unique(created_modules))
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Manage a model built outside ``scope()``: move it to the device, sync it, hook its gradients."""
         model.to(self.device)
         self._adopt(list(model.parameters()), list(model.buffers()))
+        self._on_new_modules(list(model.modules()))
         return model
+
+    def _on_new_modules(self, modules: list[nn.Module]) -> None:
+        """Modules whose variables were just adopted (those registering a parameter or buffer in the
+        scope, or every module of a prepared model): strategies that change how some layers run
+        (BatchNorm across thread replicas, ``sync_batchnorm``) take them here. Default: nothing."""
+        return
 
     def is_managed(self, model: nn.Module) -> bool:
         return all(id(p) in self._managed for p in model.parameters() if p.requires_grad)
@@ -298,6 +333,13 @@ class Strategy(abc.ABC):
         """One row per rank of the whole job, stacked on dimension 0 (collective); ``value`` itself
         in a single process."""
         return self.gather(value) if self.num_replicas_in_sync > 1 else value
+
+    @property
+    def holds_current_weights(self) -> bool:
+        """Whether this process's model holds every variable's current value after each step (what
+        a weight average such as ``spread.callbacks.EMA`` reads). False where the model is a partial
+        cache of variables held elsewhere."""
+        return True
 
     @property
     def state_is_collective(self) -> bool:

@@ -48,6 +48,7 @@ class CentralStorageStrategy(MirroredStrategy):
             value: the physical device the replicas compute on (``"cpu"`` for CPU replicas).
         num_replicas: number of replicas when ``compute_devices`` is not given.
         intra_op_threads: threads each replica's ops may use (see MirroredStrategy).
+        sync_batchnorm: BatchNorm statistics over the global batch (see MirroredStrategy).
     """
 
     def __init__(
@@ -57,9 +58,13 @@ class CentralStorageStrategy(MirroredStrategy):
         *,
         num_replicas: int | None = None,
         intra_op_threads: int | str = "auto",
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(
-            devices=compute_devices, num_replicas=num_replicas, intra_op_threads=intra_op_threads
+            devices=compute_devices,
+            num_replicas=num_replicas,
+            intra_op_threads=intra_op_threads,
+            sync_batchnorm=sync_batchnorm,
         )
         compute = _physical(self.device)
         wanted = compute if parameter_device is None else _physical(torch.device(parameter_device))

@@ -19,6 +19,15 @@ name (``hierarchical_copy`` on the replicas' threads) and adds the total to ``.g
 are the same as with ``"accumulate"`` (a parameter no replica used keeps its ``.grad``); the cost is
 one write per replica and one reduction pass per step.
 
+BatchNorm: the replicas share one module, so the layers' in-place running-statistics updates would
+race between threads and depend on their order. Each BatchNorm layer managed by the strategy runs a
+forward of its own inside ``strategy.run`` (:mod:`spread.strategies.batchnorm`): by default each
+replica normalises with its own slice's statistics and the running statistics get one update per
+forward call, after the replicas returned, from the replicas' statistics weighted by their shares
+(what MultiWorkerMirroredStrategy's buffer averaging gives); with ``sync_batchnorm=True`` the
+replicas exchange per-channel sums through a thread rendezvous and normalise with the global batch's
+statistics (equal to one device).
+
 Several distinct accelerators in one process are not supported: PyTorch's answer for that is one
 process per device, which is :class:`MultiWorkerMirroredStrategy` under ``spread run -n <devices>``.
 """
@@ -34,10 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.cluster.rendezvous import default_collective_timeout
 from spread.comm.in_process import hierarchical_copy, reduce_to_one
 from spread.data import ReplicaLayout
 from spread.errors import SpreadError
 from spread.strategies.base import Strategy
+from spread.strategies.batchnorm import BatchNormReplicas, ReplicaExchangeAborted, ThreadReplicaSum
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.strategies.one_device import default_device
 from spread.values import PerReplica, select_replica
@@ -88,6 +99,9 @@ class MirroredStrategy(Strategy):
             see :mod:`spread.comm.in_process`).
         intra_op_threads: threads each replica's ops may use; ``"auto"`` = cores // replicas, set once
             for the process (``torch.set_num_threads``) unless ``OMP_NUM_THREADS`` is set.
+        sync_batchnorm: BatchNorm statistics over the global batch (see :class:`Strategy`); on CPU
+            replicas only (an accelerator runs every replica's backward on one device thread, where
+            the replicas' rendezvous would wait forever).
     """
 
     def __init__(
@@ -96,14 +110,25 @@ class MirroredStrategy(Strategy):
         num_replicas: int | None = None,
         cross_device_ops: str = "auto",
         intra_op_threads: int | str = "auto",
+        *,
+        sync_batchnorm: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(sync_batchnorm=sync_batchnorm)
         if cross_device_ops not in CROSS_DEVICE_OPS:
             raise ValueError(f"cross_device_ops must be one of {CROSS_DEVICE_OPS}, got {cross_device_ops!r}")
         self._devices = _resolve_devices(devices, num_replicas, type(self).__name__)
+        n = len(self._devices)
+        if sync_batchnorm and n > 1 and self._devices[0].type != "cpu":
+            raise ValueError(
+                f"sync_batchnorm=True with {n} thread replicas on {self._devices[0]} is not supported: "
+                "autograd runs their backward passes on one device thread, so the replicas cannot meet "
+                "to exchange BatchNorm statistics; use MultiWorkerMirroredStrategy (one process per "
+                "replica) for synchronised BatchNorm on accelerators"
+            )
+        self._thread_sum = ThreadReplicaSum(n, default_collective_timeout()) if sync_batchnorm else None
+        self._batchnorm = BatchNormReplicas(self, self._thread_sum, shared_module=True)
         self.cross_device_ops = "accumulate" if cross_device_ops == "auto" else cross_device_ops
         self._replica_grads: _ReplicaGradients | None = None
-        n = len(self._devices)
         if intra_op_threads == "auto":
             if "OMP_NUM_THREADS" not in os.environ and self._devices[0].type == "cpu":
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
@@ -152,6 +177,9 @@ class MirroredStrategy(Strategy):
             self._replica_grads.close()
         self._replica_grads = _ReplicaGradients(self, self.managed_parameters, self.num_replicas_in_sync)
 
+    def _on_new_modules(self, modules: list[nn.Module]) -> None:
+        self._batchnorm.add(modules)
+
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         if get_replica_context() is not None:
             raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
@@ -160,10 +188,18 @@ class MirroredStrategy(Strategy):
         weights = self._replica_weights()
         self._step_info = None
 
+        thread_sum = self._thread_sum
+        if thread_sum is not None:
+            thread_sum.reset()
+
         def replica(i: int) -> Any:
             _set_replica_context(ReplicaContext(self, i, n, weights[i]))
             try:
                 return fn(*select_replica(args, i), **select_replica(kwargs, i))
+            except BaseException:
+                if thread_sum is not None:  # the others must not wait for this replica's statistics
+                    thread_sum.abort()
+                raise
             finally:
                 _set_replica_context(None)
 
@@ -188,10 +224,14 @@ class MirroredStrategy(Strategy):
                 if p.grad is not None:
                     p.grad.mul_(scale)
         if errors:
+            self._batchnorm.discard_pending()
             if self._replica_grads is not None:
                 self._replica_grads.discard()
-            index, error = errors[0]
+            # A replica released from the BatchNorm exchange by another's failure reports the cause.
+            causes = [e for e in errors if not isinstance(e[1], ReplicaExchangeAborted)]
+            index, error = (causes or errors)[0]
             raise SpreadError(f"replica {index} of {n} failed in strategy.run: {error!r}") from error
+        self._batchnorm.apply_pending_updates(weights)
         if self._replica_grads is not None:
             self._replica_grads.reduce_into_grads(self.cross_device_ops, self._parallel)
         return PerReplica(results) if n > 1 else results[0]
@@ -216,6 +256,7 @@ class MirroredStrategy(Strategy):
         return torch.cat(values, dim=axis)
 
     def close(self) -> None:
+        self._batchnorm.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

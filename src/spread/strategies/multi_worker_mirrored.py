@@ -4,6 +4,14 @@ The cluster comes from the environment (``spread run``, torchrun, ``TF_CONFIG`` 
 chief's initial weights are broadcast when the scope exits; afterwards every backward pass ends with
 a bucketed all-reduce of the gradients, weighted by each replica's share of the global batch, so the
 optimizer step that follows is the same on every replica as on one device with the whole batch.
+
+Buffers: after every optimizer step over managed parameters (a global optimizer step post-hook, so
+custom loops get it too), float buffers become the replicas' average weighted by their shares of the
+global batch, integer buffers rounded (:class:`~spread.comm.buffers.BufferAverager`): one flat
+all-reduce per step. With ``sync_batchnorm=True`` BatchNorm layers exchange their statistics
+over a process group of their own (so the exchange, which runs inside backward, never interleaves
+with the gradient buckets' all-reduces on the main group) and normalise with the global batch's; their
+buffers are then equal on every rank already and are left out of the averaging.
 """
 
 from __future__ import annotations
@@ -16,15 +24,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_algorithm
 from spread.comm.bucketing import COMPRESSIONS
+from spread.comm.buffers import BufferAverager
+from spread.comm.ops import destroy_group
 from spread.data import ReplicaLayout, StepInfo
 from spread.errors import SpreadError
 from spread.strategies.base import Strategy, one_replica_tensor
+from spread.strategies.batchnorm import BatchNormReplicas
 from spread.strategies.process_group import join_process_group, local_device
 
 COMMUNICATIONS = ALGORITHM_NAMES  # "auto" and every name of spread.comm.algorithms.ALGORITHMS
@@ -45,6 +57,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         init_timeout: seconds for all ranks to join (default ``SPREAD_INIT_TIMEOUT`` or 120).
         collective_timeout: seconds before a stuck collective fails naming the rank and operation
             (default ``SPREAD_COLLECTIVE_TIMEOUT`` or 300).
+        sync_batchnorm: BatchNorm statistics over the global batch (see :class:`Strategy`).
     """
 
     def __init__(
@@ -56,8 +69,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         compression: str | None = None,
         init_timeout: float | None = None,
         collective_timeout: float | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(sync_batchnorm=sync_batchnorm)
         if communication not in COMMUNICATIONS:
             raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
         if compression is not None and compression not in COMPRESSIONS:
@@ -94,9 +108,33 @@ class MultiWorkerMirroredStrategy(Strategy):
                 communication, self.collectives, local_world_size=self.cluster.local_world_size
             )
             self._resources.push(self.algorithm.close)  # its threads and subgroups go before the group
+            self._batchnorm = BatchNormReplicas(self, self._make_statistics_sum(), shared_module=False)
         except BaseException:
             self._resources.release()
             raise
+        self._buffers: BufferAverager | None = None
+        self._buffers_stale = False  # new buffers were adopted since self._buffers was built
+        self._buffer_weight = 1.0 / self.collectives.world_size  # this rank's share of the last step
+        self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    def _make_statistics_sum(self):
+        """With ``sync_batchnorm``: a process group of its own for BatchNorm's statistics (made by
+        every rank in the same order, here in the constructor) and the sum over it."""
+        if not self.sync_batchnorm:
+            return None
+        group = dist.new_group(list(range(self.collectives.world_size)))
+        statistics = Collectives(group, device=self._device)
+
+        def release() -> None:
+            statistics.close()
+            destroy_group(group)
+
+        self._resources.push(release)
+
+        def sum_over_replicas(tensor: torch.Tensor, replica_id: int) -> torch.Tensor:
+            return statistics.all_reduce(tensor, name="sync_batchnorm")
+
+        return sum_over_replicas
 
     # -- topology ----------------------------------------------------------------------------------
     @property
@@ -125,6 +163,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         tensors = [*params, *buffers]
         self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
         self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
+        self._buffers_stale = True
         if self._reducer is not None:
             self._reducer.close()
         self._reducer = GradientReducer(
@@ -134,6 +173,26 @@ class MultiWorkerMirroredStrategy(Strategy):
             algorithm=self.algorithm,
             compression=self.compression,
         )
+
+    def _on_new_modules(self, modules: list[nn.Module]) -> None:
+        self._batchnorm.add(modules)
+        if self._buffers_stale:
+            # Buffers of synchronised BatchNorm layers are equal on every rank already.
+            own = (
+                {id(b) for m in self._batchnorm.modules for b in m.buffers()}
+                if self.sync_batchnorm
+                else set()
+            )
+            averaged = [b for b in self._managed_buffers.values() if id(b) not in own]
+            self._buffers = BufferAverager(averaged, self.collectives) if averaged else None
+            self._buffers_stale = False
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Average the buffers after a step of an optimizer over this strategy's parameters."""
+        if self._buffers is None or self._closed:
+            return
+        if any(id(p) in self._managed for group in optimizer.param_groups for p in group["params"]):
+            self._buffers.sync(self._buffer_weight)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -153,6 +212,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         weight = self._replica_weights()[0]
         if self._reducer is not None:
             self._reducer.grad_scale = weight
+        self._buffer_weight = weight
         return self._run_as_replica(fn, args, kwargs, self.rank, weight)
 
     def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
@@ -167,6 +227,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         return torch.cat(parts, dim=0).movedim(0, axis)
 
     def close(self) -> None:
+        self._step_hook.remove()
+        self._batchnorm.close()
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None

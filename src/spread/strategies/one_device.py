@@ -23,10 +23,14 @@ def default_device() -> torch.device:
 
 
 class OneDeviceStrategy(Strategy):
-    """Everything on ``device`` (default: the current CUDA device if any, else the CPU)."""
+    """Everything on ``device`` (default: the current CUDA device if any, else the CPU).
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
-        super().__init__()
+    ``sync_batchnorm`` is accepted so that scripts can pass it to any strategy; with one replica the
+    batch is the global batch, so it changes nothing.
+    """
+
+    def __init__(self, device: str | torch.device | None = None, *, sync_batchnorm: bool = False) -> None:
+        super().__init__(sync_batchnorm=sync_batchnorm)
         self._device = torch.device(device) if device is not None else default_device()
 
     @property

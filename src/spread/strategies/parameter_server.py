@@ -23,7 +23,12 @@ as one device on the global batch; ``max_staleness=k`` (async) holds back a work
 Data: ``distribute_dataset`` splits each global batch over the training tasks in both modes (each
 task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
 ``reduce`` and ``gather`` are local: training tasks never wait for each other, so logs (and
-``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) stay local.
+``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) are not variables on the
+servers: each training task keeps its own, updated by its own batches, and its ``evaluate`` uses
+them, consistent with the task's own logs; the chief's are the ones its checkpoints hold. Sharing them
+would need a server-side assignment (not a gradient update) that the servers do not have; the
+evaluator task keeps the buffers it built. ``sync_batchnorm=True`` is refused: the training tasks
+share no collective to exchange statistics with (they only talk to the servers).
 
 Ending: like TensorFlow's, scripts need not call :meth:`close`. A strategy still open when the
 script ends is closed then (:mod:`spread.ps.at_exit`, before Python shuts its thread pools down):
@@ -97,6 +102,7 @@ class ParameterServerStrategy(Strategy):
         shutdown_timeout: seconds the chief waits, when closing, for the workers to finish.
         transport: the RPC layer, ``"zmq"`` (ZeroMQ) or ``"grpc"``; default
             ``SPREAD_PS_TRANSPORT`` or ``"zmq"``. Every task of a job must use the same.
+        sync_batchnorm: must stay ``False`` (see the module docstring); ``True`` raises.
     """
 
     def __init__(
@@ -110,8 +116,15 @@ class ParameterServerStrategy(Strategy):
         init_timeout: float | None = None,
         shutdown_timeout: float = 600.0,
         transport: str | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(sync_batchnorm=sync_batchnorm)
+        if sync_batchnorm:
+            raise ValueError(
+                "ParameterServerStrategy does not support sync_batchnorm=True: training tasks exchange "
+                "nothing but pushes and pulls with the servers, so there is no collective to compute "
+                "global-batch statistics with; each task's BatchNorm uses its own batch"
+            )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
@@ -193,6 +206,12 @@ class ParameterServerStrategy(Strategy):
             return ReplicaLayout(1, 0, 1)
         world, rank = self.cluster.world_size, self.cluster.rank
         return ReplicaLayout(world, rank, 1, process_index=rank, num_processes=world)
+
+    @property
+    def holds_current_weights(self) -> bool:
+        """False: the variables live on the servers; embedding tables hold only the rows pulled for
+        recent batches, and async tasks see each other's updates only when they pull."""
+        return False
 
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager

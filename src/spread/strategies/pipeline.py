@@ -29,6 +29,15 @@ rank's copy of the model up to date and returns the full model's ``state_dict`` 
 into a one-device model); loading a one-device ``state_dict`` into ``model`` on every rank works as is.
 :meth:`gather_optimizer_state_dict` does the same for the optimizer, so ``BackupAndRestore`` and
 ``ModelCheckpoint`` save one-device checkpoints under a pipeline (see that method for why a gather).
+
+BatchNorm inside a stage normalises each micro-batch by its own statistics and updates its running
+statistics once per micro-batch: the computation of one device that runs the global batch as
+``microbatches`` accumulated micro-batches (``Trainer(accumulation_steps=microbatches)``), not one
+device on the whole batch. ``sync_batchnorm=True`` is refused: statistics over the global batch would
+need every micro-batch's forward before any could be normalised, which is what a pipeline avoids.
+With ``replicas > 1`` a stage's buffers are averaged over its replicas after each training step,
+weighted by their shares of the global batch (as MultiWorkerMirroredStrategy does), so the replicas
+hold the same statistics.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from spread.checkpoint.optimizer_exchange import broadcast_optimizer_state
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
+from spread.comm.buffers import BufferAverager
 from spread.comm.ops import classify_error, destroy_group
 from spread.data import ReplicaLayout
 from spread.data.batches import inputs_and_targets
@@ -105,6 +115,7 @@ class PipelineStrategy(Strategy):
             narrowed or there are fewer CPUs than local processes. Undone by :meth:`close`. Pass
             False on a machine shared with other busy jobs (a bound stage cannot leave a loaded CPU).
         cluster, init_timeout, collective_timeout, bucket_cap_mb: as for MultiWorkerMirroredStrategy.
+        sync_batchnorm: must stay ``False`` (see the module's BatchNorm paragraph); ``True`` raises.
     """
 
     def __init__(
@@ -123,8 +134,15 @@ class PipelineStrategy(Strategy):
         collective_timeout: float | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         record_times: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(sync_batchnorm=sync_batchnorm)
+        if sync_batchnorm:
+            raise ValueError(
+                "PipelineStrategy does not support sync_batchnorm=True: BatchNorm in a stage normalises "
+                "each micro-batch (as one device accumulating `microbatches` micro-batches would); "
+                "statistics over the global batch would need every micro-batch's forward first"
+            )
         _check_args(stages, microbatches, schedule, split_points, replicas, balance_by)
         if schedule == "zb" and checkpoint_stages:
             raise ValueError(
@@ -165,6 +183,7 @@ class PipelineStrategy(Strategy):
         self.stage_module: nn.Module | None = None
         self._runner: StageRunner | None = None
         self._reducer: GradientReducer | None = None
+        self._buffers: BufferAverager | None = None
 
     def _join(
         self, stages: int, replicas: int, init_timeout: float | None, collective_timeout: float | None
@@ -304,6 +323,8 @@ class PipelineStrategy(Strategy):
                 bucket_cap_mb=self.bucket_cap_mb,
             )
             self._reducer.grad_scale = 1.0  # micro-batch losses already carry their global-batch share
+            buffers = list(self.stage_module.buffers())
+            self._buffers = BufferAverager(buffers, self.replica_collectives) if buffers else None
 
     def _check_model(self, model: nn.Module) -> None:
         if self._model is None:
@@ -328,6 +349,8 @@ class PipelineStrategy(Strategy):
             if m == 0:  # this replica got no samples: it still joins the gradient exchange
                 if self._reducer is not None:
                     self._reducer.reduce_now()
+                if self._buffers is not None:
+                    self._buffers.sync(0.0)
                 return
             self._runner.train(
                 make_schedule(self.schedule, self.stage, self.stages, m),
@@ -338,6 +361,8 @@ class PipelineStrategy(Strategy):
                 no_sync=self._reducer.no_sync if self._reducer is not None else None,
                 on_loss=on_loss,
             )
+            if self._buffers is not None:  # the stage's replicas: the same running statistics
+                self._buffers.sync(n / global_n)
 
     def train_step(self, model: nn.Module, x: Any, y: Any, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of one mini-batch through the pipeline; ``.grad`` holds the gradient

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ class Trainer:
         loss_fn: ``(y_pred, y_true) -> scalar mean loss`` over the replica's batch.
         strategy: a Strategy, a registered name ("mirrored", ...) or None for one device.
         metrics: names ("accuracy", "mse", "mae") or per-sample functions ``(y_pred, y_true) -> [n]``.
-        callbacks: added to every ``fit`` call (History and ProgressBar are added for you).
+        callbacks: added to every ``fit`` call (History and ProgressBar are added for you); their
+            ``evaluation_weights()`` (``spread.callbacks.EMA``) also apply to ``evaluate`` and ``predict``.
         on_nonfinite: ``"raise"`` stops with NonFiniteLossError before the weights change;
             ``"skip_step"`` drops that step's update and goes on.
         accumulation_steps: run each replica's slice of the global batch as this many micro-batches
@@ -70,6 +72,11 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.on_nonfinite = on_nonfinite
         self.accumulation_steps = check_accumulation_steps(accumulation_steps)
+        if self.accumulation_steps > 1 and self.strategy.sync_batchnorm:
+            raise ValueError(
+                "accumulation_steps > 1 does not combine with sync_batchnorm=True: statistics would be "
+                "exchanged per micro-batch, and replicas with fewer samples run fewer micro-batches"
+            )
         self.stop_training = False
         self.params: dict[str, Any] = {}
         self.epoch = 0
@@ -79,6 +86,7 @@ class Trainer:
         self.running_sums: RunningSums | None = None  # the current epoch's loss and metric sums
         self.resume_point: dict[str, Any] | None = None  # set by BackupAndRestore in on_train_begin
         self.history = History()
+        self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         if not self.strategy.is_managed(model):
             self.strategy.prepare_model(model)
 
@@ -171,6 +179,7 @@ class Trainer:
         if verbose:
             defaults.append(ProgressBar(verbose=verbose))
         cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
+        self.active_callbacks = list(cbs)
         self.stop_training = False
         self.train_dataset = train
         self.resume_point = None
@@ -210,6 +219,7 @@ class Trainer:
             if self.stop_training:
                 break
         cbs.call("on_train_end", logs)
+        self.active_callbacks = []
         return self.history
 
     def _train_step(self, batch: Any) -> torch.Tensor:
@@ -233,6 +243,7 @@ class Trainer:
         dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
         was_training = self.model.training
         self.model.eval()
+        weights = self._evaluation_weights(cbs or [])
         sums = RunningSums(list(self.metrics))
         try:
             for step, batch in enumerate(dataset):
@@ -242,8 +253,20 @@ class Trainer:
                 if cbs is not None:
                     cbs.call("on_test_batch_end", step, sums.results())
         finally:
+            weights.close()
             self.model.train(was_training)
         return sums.results()
+
+    def _evaluation_weights(self, extra: Iterable[Callback]) -> ExitStack:
+        """Enter the ``evaluation_weights()`` of this trainer's callbacks, the running fit's and
+        ``extra`` (each once); closing the stack swaps the training weights back."""
+        stack = ExitStack()
+        seen: set[int] = set()
+        for cb in [*self.callbacks, *self.active_callbacks, *extra]:
+            if id(cb) not in seen and cb.runs_on(self):
+                seen.add(id(cb))
+                stack.enter_context(cb.evaluation_weights())
+        return stack
 
     def evaluate(
         self,
@@ -267,6 +290,7 @@ class Trainer:
         dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
         was_training = self.model.training
         self.model.eval()
+        weights = self._evaluation_weights([])
         outputs = []
 
         def replica_predict(batch: Any) -> torch.Tensor:
@@ -278,5 +302,6 @@ class Trainer:
             for batch in dataset:
                 outputs.append(self.strategy.gather(self.strategy.run(replica_predict, args=(batch,))))
         finally:
+            weights.close()
             self.model.train(was_training)
         return torch.cat(outputs) if outputs else torch.empty(0)

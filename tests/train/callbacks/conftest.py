@@ -37,6 +37,7 @@ class FakeTrainer:
         }
         self.epoch = 0
         self.global_step = 0
+        self.active_callbacks: list[Callback] = []
 
     def fit(
         self,
@@ -49,6 +50,7 @@ class FakeTrainer:
         num_steps = steps if steps is not None else self.params["steps"] or 4
         gbs = self.params["global_batch_size"]
         cbs = CallbackList(callbacks, self)
+        self.active_callbacks = list(cbs)
         self.stop_training = False
         cbs.call("on_train_begin", {})
         logs: dict[str, Any] = {}

@@ -1,13 +1,15 @@
 """Callbacks for :class:`spread.Trainer`, named and shaped like ``keras.callbacks``.
 
 Chief-only callbacks (ProgressBar, ModelCheckpoint, CSVLogger, TensorBoard) print or write files
-on the chief process; EarlyStopping runs on every rank so that all ranks stop at the same epoch.
+on the chief process; EarlyStopping runs on every rank so that all ranks stop at the same epoch, and
+EMA keeps the same average of the weights on every rank.
 """
 
 from spread.train.callbacks.backup_and_restore import BackupAndRestore
 from spread.train.callbacks.base import Callback, CallbackList, Logs
 from spread.train.callbacks.csv_logger import CSVLogger
 from spread.train.callbacks.early_stopping import EarlyStopping
+from spread.train.callbacks.ema import EMA
 from spread.train.callbacks.history import History
 from spread.train.callbacks.model_checkpoint import ModelCheckpoint
 from spread.train.callbacks.progress import ProgressBar
@@ -19,6 +21,7 @@ __all__ = [
     "CallbackList",
     "CSVLogger",
     "EarlyStopping",
+    "EMA",
     "History",
     "Logs",
     "ModelCheckpoint",

@@ -12,6 +12,11 @@ class; restoring into a model, optimizer or strategy that differs raises
 :class:`~spread.errors.CheckpointMismatchError` listing every mismatched key and field, before any
 weight is overwritten (an exact resume is impossible across such a change).
 
+Callbacks with state of their own (:class:`~spread.callbacks.EMA`) are part of the backup through
+:meth:`Callback.state_dict`/:meth:`Callback.load_state_dict`, keyed by class name (``EMA``, then
+``EMA#1`` for a second one): collected on every rank at each backup, restored on every rank that
+reads it.
+
 Every rank must use the callback (it gathers RNG states collectively); only the chief writes.
 Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
 a warning in favour of the previous one.
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import random
 import shutil
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +98,7 @@ class BackupAndRestore(Callback):
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
         trainer.history.epoch = list(state["history_epochs"])
         _set_rng(state["rng"], trainer.strategy.rank)
+        self._restore_callbacks(state.get("callbacks") or {})
         trainer.resume_point = {
             "epoch": int(state["epoch"]),
             "batch": int(state["batch"]),
@@ -133,6 +141,36 @@ class BackupAndRestore(Callback):
             trainer.history.epoch = list(state["history_epochs"])
             trainer.resume_point["sums"] = state["sums"]
             _set_rng(state["rng"], 0)
+
+    def _stateful_callbacks(self) -> dict[str, Callback]:
+        """The running fit's other callbacks by backup key: class name, ``#k`` for the k-th repeat."""
+        keyed: dict[str, Callback] = {}
+        counts: dict[str, int] = {}
+        for cb in self.trainer.active_callbacks:
+            if cb is self:
+                continue
+            name = type(cb).__name__
+            k = counts.get(name, 0)
+            counts[name] = k + 1
+            keyed[name if k == 0 else f"{name}#{k}"] = cb
+        return keyed
+
+    def _callback_states(self) -> dict[str, Any]:
+        """Every callback's :meth:`Callback.state_dict` that is not empty (called on every rank)."""
+        states = {key: cb.state_dict() for key, cb in self._stateful_callbacks().items()}
+        return {key: state for key, state in states.items() if state}
+
+    def _restore_callbacks(self, saved: Mapping[str, Any]) -> None:
+        callbacks = self._stateful_callbacks()
+        for key, state in saved.items():
+            if key in callbacks:
+                callbacks[key].load_state_dict(state)
+            else:
+                warnings.warn(
+                    f"BackupAndRestore: the backup holds the state of a {key} callback that this fit "
+                    "does not have; it is ignored",
+                    stacklevel=2,
+                )
 
     def _task_manager(self, rank: int) -> CheckpointManager:
         # One more than the chief keeps: a task may be one backup ahead of a chief that died saving.
@@ -199,10 +237,11 @@ class BackupAndRestore(Callback):
         all_rng = strategy.gather_from_every_rank(rng)
         model_state = strategy.model_state_dict(trainer.model)  # collective where state_is_collective
         optimizer_state = strategy.optimizer_state_dict(trainer.optimizer)
+        callback_states = self._callback_states()  # may be collective too
         failure: BaseException | None = None
         if trainer.is_chief:
             try:
-                self._write(all_rng, model_state, optimizer_state)
+                self._write(all_rng, model_state, optimizer_state, callback_states)
             except Exception as exc:  # reported to the other ranks below, then re-raised
                 failure = exc
         elif strategy.rank in strategy.ranks_with_own_backup():  # its own part, beside the chief's
@@ -241,7 +280,11 @@ class BackupAndRestore(Callback):
         }
 
     def _write(
-        self, all_rng: torch.Tensor, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+        self,
+        all_rng: torch.Tensor,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        callback_states: dict[str, Any],
     ) -> None:
         trainer = self.trainer
         state: dict[str, Any] = {
@@ -250,6 +293,8 @@ class BackupAndRestore(Callback):
             "optimizer": optimizer_state,
             **self._common_state(all_rng),
         }
+        if callback_states:
+            state["callbacks"] = callback_states
         extras = trainer.strategy.backup_extras(trainer.global_step)
         if extras:
             state["strategy"] = extras

@@ -9,7 +9,8 @@ example saving sharded state) keeps ``chief_only = False`` and checks ``trainer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,6 +53,29 @@ class Callback:
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
     def on_train_batch_begin(self, step: int, logs: Logs | None = None) -> None: ...
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None: ...
+    def state_dict(self) -> dict[str, Any]:
+        """What :class:`~spread.callbacks.BackupAndRestore` saves for this callback, so that a resumed
+        ``fit`` continues it exactly: tensors, numbers, strings, and lists or dicts of them (loaded
+        with ``weights_only=True``). ``{}`` (the default): nothing to save.
+
+        Called on every rank at every backup, in the same order on every rank, so it may run
+        collectives; the chief's result is the one written.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. BackupAndRestore calls it in its
+        ``on_train_begin`` on every rank that reads the backup, after the model and optimizer are
+        restored and before the first step."""
+        if state:
+            raise NotImplementedError(f"{type(self).__name__} saves state but does not load it")
+
+    def evaluation_weights(self) -> AbstractContextManager[None]:
+        """Entered by the Trainer around ``evaluate``, ``predict`` and ``fit``'s validation: a callback
+        that evaluates with other weights (:class:`~spread.callbacks.EMA`) swaps them in here and back
+        on exit. Default: the model as it is."""
+        return nullcontext()
+
     def on_test_begin(self, logs: Logs | None = None) -> None: ...
     def on_test_end(self, logs: Logs | None = None) -> None: ...
     def on_test_batch_end(self, step: int, logs: Logs | None = None) -> None: ...
