@@ -1,12 +1,38 @@
-"""Leak guards for every test: no child process and no process group may outlive a test."""
+"""Leak guards for every test: no child process and no process group may outlive a test.
+
+The fast tier (``scripts/test.sh --fast``, ``SPREAD_TEST_FAST=1``) deselects tests marked
+``processes`` or ``slow``, and refuses to start a process in the tests it keeps: a test that starts
+one without the ``processes`` mark fails at once, naming the mark, so the tier stays honest.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import subprocess
 import time
 
 import psutil
 import pytest
 import torch.distributed as dist
+
+FAST_TIER = os.environ.get("SPREAD_TEST_FAST") == "1"
+UNMARKED_PROCESS = (
+    "this test starts a process but is not marked pytest.mark.processes "
+    "(the fast tier, scripts/test.sh --fast, runs no multi-process tests)"
+)
+
+
+def _refuse_processes(*args: object, **kwargs: object) -> None:
+    raise RuntimeError(UNMARKED_PROCESS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if FAST_TIER:  # for the whole session: module-scoped fixtures start processes too
+        subprocess.Popen.__init__ = _refuse_processes  # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = _refuse_processes  # type: ignore[method-assign]
+        os.fork = _refuse_processes  # type: ignore[assignment]
+        os.posix_spawn = _refuse_processes  # type: ignore[assignment]
 
 
 def _live_children() -> list[psutil.Process]:

@@ -31,7 +31,7 @@ def test_unknown_case_names_are_refused():
         exit_stress.main(["--cases", "digits,nope", "--runs", "1"])
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_an_aborting_run_is_counted_and_its_message_kept(monkeypatch):
     monkeypatch.setitem(
         exit_stress.SCRIPTS, "aborts", "import os\nprint('trained', flush=True)\nos.abort()\n"
@@ -43,7 +43,7 @@ def test_an_aborting_run_is_counted_and_its_message_kept(monkeypatch):
     assert "| aborts | 0 | 1 | 1 |" in report([tally])
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_ci_subset_ends_every_run_with_the_expected_exit_code():
     names = ("custom_loop", "issue16_pipeline_noclose")
     tallies = stress([c for c in CASES if c.name in names], runs=5, timeout=180)

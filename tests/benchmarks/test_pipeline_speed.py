@@ -39,7 +39,7 @@ def test_paired_ratio_cancels_drift_between_rounds():
     assert paired_ratio(c, _config("d", [[50.0], [100.0], [100.0]])) == (2.0, 0.5, 2.0)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_quick_smoke_run_reports_every_configuration(capsys, monkeypatch):
     argv = [
         "pipeline_speed.py",
@@ -73,7 +73,7 @@ def test_best_m_picks_each_configurations_fastest_m_by_median_rate():
     assert best_m(configs, "spread-zb", [2, 4]).key == "spread-zb@2"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_quick_smoke_run_with_several_m_adds_the_best_m_table(capsys, monkeypatch):
     argv = ["pipeline_speed.py", "--quick", "--workloads", "mlp", "--microbatches", "2,4"]
     argv += ["--rounds", "1", "--reps", "1", "--steps", "1", "--spread-schedules", "zb"]

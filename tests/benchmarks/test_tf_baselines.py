@@ -88,6 +88,7 @@ def test_child_env_pins_threads_and_carries_tf_config():
     assert json.loads(env["TF_CONFIG"])["task"]["type"] == "worker"
 
 
+@pytest.mark.processes
 def test_importing_the_runner_loads_neither_framework():
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import tf_baselines; "

@@ -112,6 +112,7 @@ def test_bad_keep_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
+@pytest.mark.processes
 def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path, point):
     manager = CheckpointManager(tmp_path)
     manager.save(1, _state(1))
@@ -196,6 +197,7 @@ def _sharded_round_trip(directory: str) -> dict:
         rdzv.close()
 
 
+@pytest.mark.processes
 def test_sharded_state_round_trip_under_two_ranks(tmp_path):
     from spread.testing import run_ranks
 
@@ -300,6 +302,7 @@ def _sharded_save_where_the_chief_dies(directory: str) -> None:
         rdzv.close()
 
 
+@pytest.mark.processes
 def test_chief_killed_during_a_sharded_save_others_fail_and_latest_still_loads(tmp_path):
     from spread.testing import launch_ranks
 

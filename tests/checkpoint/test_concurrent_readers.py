@@ -163,6 +163,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_a_reader_beside_a_writer_saving_back_to_back_never_fails(tmp_path):
     """Without the gone/corrupt distinction about 2% of these reads fail or warn."""
     writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)])

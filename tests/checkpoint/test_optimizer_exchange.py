@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import spread
 from spread.checkpoint.optimizer_exchange import broadcast_optimizer_state
 from spread.testing import run_ranks
+
+pytestmark = pytest.mark.processes
 
 
 def _exchange() -> dict:

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.processes
 def test_quick_run_writes_tables_section_and_json(tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nhand-written text stays.\n")
@@ -103,6 +104,7 @@ def test_profile_document_has_schema_and_every_algorithm():
     assert doc["compute"]["matmul_flops"] == 1e10
 
 
+@pytest.mark.processes
 def test_calibrate_writes_its_own_profile_without_the_planner(tmp_path, monkeypatch):
     import argparse
 

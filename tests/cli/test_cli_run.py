@@ -167,6 +167,7 @@ def test_missing_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "script not found" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_multi_node_without_token_exits_2(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text("pass\n")
@@ -192,6 +193,7 @@ def test_multi_node_without_token_exits_2(tmp_path: Path) -> None:
     assert "SPREAD_JOB_TOKEN" in result.stderr and "same value on every node" in result.stderr
 
 
+@pytest.mark.processes
 def test_end_to_end_exit_code_arguments_and_secret_token(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(
@@ -207,6 +209,7 @@ def test_end_to_end_exit_code_arguments_and_secret_token(tmp_path: Path) -> None
     assert "spread run: rank 1 exited with code 3" in result.stderr
 
 
+@pytest.mark.processes
 def test_no_prefix_passes_output_through(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text("print('plain')\n")
@@ -215,6 +218,7 @@ def test_no_prefix_passes_output_through(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("signum", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.processes
 def test_sigint_and_sigterm_stop_every_rank_and_helper(tmp_path: Path, signum: int, expected: int) -> None:
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
@@ -242,6 +246,7 @@ def test_sigint_and_sigterm_stop_every_rank_and_helper(tmp_path: Path, signum: i
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+@pytest.mark.processes
 def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path) -> None:
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
@@ -269,6 +274,7 @@ def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path) -> None:
     assert not [p for p in ranks if process_alive(p)]
 
 
+@pytest.mark.processes
 def test_launcher_imports_without_torch() -> None:
     code = (
         "import sys, spread.cli.main, spread.cli.run, spread.cluster.launcher; "
@@ -278,6 +284,7 @@ def test_launcher_imports_without_torch() -> None:
     assert result.returncode == 0, "spread run would import torch at start-up: " + result.stderr
 
 
+@pytest.mark.processes
 def test_ctrl_c_reaches_the_ranks_keyboard_interrupt_handlers(tmp_path: Path) -> None:
     """As a terminal delivers Ctrl-C to torchrun's ranks: each rank gets SIGINT, so a script's
     ``except KeyboardInterrupt:`` save runs before the job ends with 130."""

@@ -124,6 +124,7 @@ def test_missing_script_starts_nothing(tmp_path: Path) -> None:
         launch(LaunchConfig(entrypoint=str(tmp_path / "nope.py")))
 
 
+@pytest.mark.processes
 def test_each_rank_gets_its_environment_and_the_token_stays_secret(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -175,6 +176,7 @@ def test_each_rank_gets_its_environment_and_the_token_stays_secret(
     _assert_all_gone([r["pid"] for r in records.values()])
 
 
+@pytest.mark.processes
 def test_user_omp_num_threads_is_kept_and_each_launch_gets_a_fresh_token(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -195,6 +197,7 @@ def test_user_omp_num_threads_is_kept_and_each_launch_gets_a_fresh_token(
     assert len({line.split()[3] for line in lines}) == 2
 
 
+@pytest.mark.processes
 def test_output_is_prefixed_line_by_line_and_binary_safe(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -215,6 +218,7 @@ def test_output_is_prefixed_line_by_line_and_binary_safe(
     assert out == "one\ntwo\npartial without newline"
 
 
+@pytest.mark.processes
 def test_module_mode_runs_python_dash_m(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -224,6 +228,7 @@ def test_module_mode_runs_python_dash_m(
     assert capfd.readouterr().out == "[rank 0] module ['-x']\n"
 
 
+@pytest.mark.processes
 def test_first_failure_stops_the_others_and_wins(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(
         tmp_path,
@@ -244,6 +249,7 @@ def test_first_failure_stops_the_others_and_wins(tmp_path: Path, capfd: pytest.C
     _assert_all_gone(_pids(out))
 
 
+@pytest.mark.processes
 def test_grandchildren_die_with_their_rank(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(
         tmp_path,
@@ -260,6 +266,7 @@ def test_grandchildren_die_with_their_rank(tmp_path: Path, capfd: pytest.Capture
     _assert_all_gone(_pids(capfd.readouterr().out))
 
 
+@pytest.mark.processes
 def test_helpers_left_behind_by_successful_ranks_are_stopped(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -277,6 +284,7 @@ def test_helpers_left_behind_by_successful_ranks_are_stopped(
     _assert_all_gone(_pids(out))
 
 
+@pytest.mark.processes
 def test_rank_killed_by_a_signal_counts_as_128_plus_signal(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -285,6 +293,7 @@ def test_rank_killed_by_a_signal_counts_as_128_plus_signal(
     assert "rank 0 exited with code 137 (killed by SIGKILL)" in capfd.readouterr().err
 
 
+@pytest.mark.processes
 def test_rank_ignoring_sigterm_is_killed_after_the_grace(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -305,6 +314,7 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace(
     _assert_all_gone(_pids(capfd.readouterr().out))
 
 
+@pytest.mark.processes
 def test_restart_after_a_failure_then_success(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "attempts.log"
     script = _script(
@@ -326,6 +336,7 @@ def test_restart_after_a_failure_then_success(tmp_path: Path, capfd: pytest.Capt
     _assert_all_gone([])
 
 
+@pytest.mark.processes
 def test_gives_up_after_max_restarts_plus_one_attempts(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -345,6 +356,7 @@ def test_gives_up_after_max_restarts_plus_one_attempts(
     assert "gave up after 3 attempts" in err
 
 
+@pytest.mark.processes
 def test_the_launcher_hosts_a_fresh_store_for_each_attempt(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -373,6 +385,7 @@ def test_the_launcher_hosts_a_fresh_store_for_each_attempt(
     assert out.count("attempt 1 visits 2") == 2, out  # only this attempt's 2 ranks: a fresh store
 
 
+@pytest.mark.processes
 def test_the_rendezvous_port_is_released(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(tmp_path, 'print("port", os.environ["MASTER_PORT"])\n')
     assert launch(LaunchConfig(entrypoint=str(script))) == 0
@@ -392,6 +405,7 @@ def test_multi_node_needs_a_shared_token(tmp_path: Path, monkeypatch: pytest.Mon
         launch(config)
 
 
+@pytest.mark.processes
 def test_non_zero_node_gets_global_ranks_and_hosts_no_store(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -420,6 +434,7 @@ def test_non_zero_node_gets_global_ranks_and_hosts_no_store(
     assert "shared-secret-abc" not in out
 
 
+@pytest.mark.processes
 def test_all_ranks_failing_at_once_is_one_clean_failure(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -430,6 +445,7 @@ def test_all_ranks_failing_at_once_is_one_clean_failure(
     _assert_all_gone(_pids(out))
 
 
+@pytest.mark.processes
 def test_servers_still_running_when_training_ends_are_stopped_and_the_job_succeeds(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -452,6 +468,7 @@ def test_servers_still_running_when_training_ends_are_stopped_and_the_job_succee
     _assert_all_gone(_pids(out))
 
 
+@pytest.mark.processes
 def test_a_failing_worker_still_fails_a_parameter_server_job(tmp_path: Path) -> None:
     script = _script(
         tmp_path,
@@ -465,6 +482,7 @@ def test_a_failing_worker_still_fails_a_parameter_server_job(tmp_path: Path) -> 
     assert launch(LaunchConfig(entrypoint=str(script), workers=1, ps=1, kill_grace=1)) == 4
 
 
+@pytest.mark.processes
 def test_a_rank_left_stopped_fails_the_attempt_in_seconds(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -486,6 +504,7 @@ def test_a_rank_left_stopped_fails_the_attempt_in_seconds(
     _assert_all_gone(_pids(out))
 
 
+@pytest.mark.processes
 def test_a_recorded_exception_is_named_in_the_failure_note(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -509,6 +528,7 @@ def test_a_recorded_exception_is_named_in_the_failure_note(
     assert "rank 1 exited with code 1 (ValueError: bad learning rate 1e9)" in err
 
 
+@pytest.mark.processes
 def test_torch_rank_tags_are_not_doubled(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(
         tmp_path,

@@ -20,12 +20,14 @@ def _join_and_report() -> dict:
         rdzv.close()
 
 
+@pytest.mark.processes
 def test_ranks_join_and_listen_on_loopback_only():
     results = launch_ranks(_join_and_report, 2, timeout=60)
     assert all(r.ok for r in results), [r.describe() for r in results]
     assert [r.value["rank"] for r in results] == [0, 1]
 
 
+@pytest.mark.processes
 def test_wrong_token_is_refused_and_writes_nothing():
     results = launch_ranks(
         _join_and_report,
@@ -42,6 +44,7 @@ def test_wrong_token_is_refused_and_writes_nothing():
     assert "rank(s) [1] of 2 did not join" in chief.error
 
 
+@pytest.mark.processes
 def test_missing_rank_is_named_within_the_deadline():
     results = launch_ranks(_join_and_report, 2, env={"WORLD_SIZE": "3"}, init_timeout=3, timeout=60)
     for r in results:
@@ -49,6 +52,7 @@ def test_missing_rank_is_named_within_the_deadline():
         assert r.seconds < 30
 
 
+@pytest.mark.processes
 def test_ranks_disagreeing_on_world_size_fail_clearly():
     results = launch_ranks(_join_and_report, 2, rank_env={1: {"WORLD_SIZE": "3"}}, init_timeout=3, timeout=60)
     assert not any(r.ok for r in results)
@@ -107,6 +111,7 @@ def _store_host_dies_after_rendezvous(what: str) -> dict:
 
 
 @pytest.mark.parametrize("what", ["store", "collective", "racing"])
+@pytest.mark.processes
 def test_h4_store_host_dies_after_rendezvous_workers_fail_within_the_deadline(what):
     results = launch_ranks(
         _store_host_dies_after_rendezvous,

@@ -45,6 +45,7 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("ending", ["done", "exit3", "raise", "interrupt"])
+@pytest.mark.processes
 def test_a_script_sees_and_ends_as_under_plain_python(tmp_path: Path, ending: str) -> None:
     scripts = tmp_path / "scripts"
     scripts.mkdir()
@@ -74,7 +75,7 @@ print("done", flush=True)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_plain_ddp_scripts_end_without_the_exit_abort(tmp_path: Path) -> None:
     """The nanoGPT ending (a global DDP model, barrier, destroy_process_group) aborts now and then
     under plain python (2 ranks in 20 here); through the runner, 12 two-rank runs in a row end with 0."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # torchrun runs may be repeated
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(900)]  # torchrun runs may be repeated
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BIN = Path(sys.executable).parent

@@ -17,6 +17,8 @@ from spread.comm import Collectives
 from spread.comm.algorithms import ALGORITHM_NAMES, ALGORITHMS, make_algorithm, segment_bounds
 from spread.testing import run_ranks
 
+pytestmark = pytest.mark.processes
+
 SIZES = [0, 1, 7, 13, 1_000_003, 4 * 2**20]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # Every size in every dtype, except the 16 MB size (past shm's 8 MiB staging chunk and ring's 1 MiB

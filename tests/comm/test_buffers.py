@@ -34,6 +34,7 @@ def _average() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_weighted_average_and_rounded_integers():
     per_rank = run_ranks(_average, 2, timeout=60)
     for result in per_rank:

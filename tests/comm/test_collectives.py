@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 
 import spread
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 from spread.testing import launch_ranks, run_ranks
+
+pytestmark = pytest.mark.processes
 
 
 def _basic_collectives() -> dict:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import spread
 from spread.testing import run_ranks
+
+pytestmark = pytest.mark.processes
 
 
 class TwoHeads(nn.Module):

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from spread.cluster import resolve_cluster
@@ -221,6 +222,7 @@ def _rank_under_attack() -> dict:
         rdv.close()
 
 
+@pytest.mark.processes
 def test_forged_datagrams_change_nothing_and_are_counted():
     first, second = run_ranks(_rank_under_attack, 2, timeout=300, collective_timeout=60)
     weights, digest = _reference()
@@ -270,6 +272,7 @@ _PEER = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_a_peer_link_counts_only_its_peers_arrivals_and_says_why_it_drops(caplog):
     import logging
     import secrets

@@ -159,6 +159,7 @@ def _mwms_accumulation_worker() -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_accumulation_equals_the_whole_batch_with_one_exchange_per_step(reference):
     per_rank = run_ranks(_mwms_accumulation_worker, 2, timeout=240)
     optimizer_steps = EPOCHS * 7
@@ -203,6 +204,7 @@ def _mwms_custom_loop_worker() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_custom_loop_accumulation_equals_the_whole_batch(reference):
     expected = {k: v for k, v in reference.items() if k != "_loss"}
     one = _custom_loop(spread.OneDeviceStrategy("cpu"), 4)

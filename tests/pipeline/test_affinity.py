@@ -66,6 +66,7 @@ def _bind_worker() -> dict:
 
 
 @needs_two_cpus
+@pytest.mark.processes
 def test_each_local_process_gets_its_own_cpus_and_restore_undoes_it() -> None:
     out = run_ranks(_bind_worker, 2, timeout=60)
     assert out[0]["cpus"] and out[1]["cpus"] and not out[0]["cpus"] & out[1]["cpus"]
@@ -94,6 +95,7 @@ def _strategy_worker(bind: bool) -> dict:
 
 
 @needs_two_cpus
+@pytest.mark.processes
 def test_pipeline_strategy_binds_stages_apart_and_close_restores() -> None:
     out = run_ranks(_strategy_worker, 2, args=(True,), timeout=120)
     assert not out[0]["cpus"] & out[1]["cpus"]

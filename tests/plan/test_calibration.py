@@ -88,6 +88,7 @@ def test_fit_needs_two_samples():
         fit_link("ring", [(1e6, 0.01, 2)])
 
 
+@pytest.mark.processes
 def test_quick_calibration_measures_every_algorithm(tmp_path):
     profile = calibrate(tmp_path / "cal.json", quick=True)
     assert {"native", "ring", "shm", "reduce_to_one", "hierarchical", "memory", "ps"} <= set(profile.links)

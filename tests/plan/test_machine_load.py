@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from spread.plan.machine_load import busy_cores_elsewhere, load_warning
 
 
@@ -16,6 +18,7 @@ def test_a_quiet_machine_gets_no_warning_and_a_busy_one_is_named():
     assert "rerun `spread plan` on a quiet machine" in warning
 
 
+@pytest.mark.processes
 def test_a_process_spinning_on_one_core_is_counted():
     spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass"
     spinner = subprocess.Popen([sys.executable, "-c", spin])

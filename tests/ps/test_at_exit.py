@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 SCRIPT = textwrap.dedent(
     """
     import sys, threading

@@ -98,6 +98,7 @@ def _exactly_once_job(num_tasks: int, rejoin: bool) -> dict:
 
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc"])
+@pytest.mark.processes
 def test_worker_sigkilled_mid_step_every_step_applied_exactly_once(tmp_path, transport):
     marker = str(tmp_path / "killed")
     n = 24
@@ -155,6 +156,7 @@ def _dead_server_job() -> dict:
     return {"error": error, "seconds": seconds, "address": address}
 
 
+@pytest.mark.processes
 def test_dead_parameter_server_is_named_within_the_timeout():
     results = run_ps_job(_dead_server_job, 2, 2)
     chief = results[0].value
@@ -219,6 +221,7 @@ def _stuck_worker_job(num_tasks: int, max_attempts: int) -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_a_stuck_worker_times_out_and_its_task_runs_elsewhere_exactly_once():
     stuck = {"SPREAD_TEST_STUCK_RUN": "2", "SPREAD_TEST_STUCK_SECONDS": "8"}  # its second task
     results = run_ps_job(
@@ -241,6 +244,7 @@ def test_a_stuck_worker_times_out_and_its_task_runs_elsewhere_exactly_once():
     assert chief["seconds"] < 8  # the chief did not wait for the stuck worker
 
 
+@pytest.mark.processes
 def test_a_task_that_times_out_on_every_attempt_fails_naming_itself():
     stuck = {"SPREAD_TEST_STUCK_TASK": "3", "SPREAD_TEST_STUCK_SECONDS": "6"}
     results = run_ps_job(_stuck_worker_job, 3, 1, args=(4, 2), env=stuck)

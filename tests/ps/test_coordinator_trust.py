@@ -26,6 +26,8 @@ from spread.ps.zmq_transport import HELLO, STREAM_ITEM, STREAM_OPEN, WELCOME
 from spread.testing.processes import process_alive
 from spread.testing.ps_jobs import free_ports
 
+pytestmark = pytest.mark.processes
+
 WORKER = Path(__file__).parent / "scripts" / "coordinated_worker.py"
 TOKEN = "the-job-token"
 

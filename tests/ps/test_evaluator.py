@@ -8,11 +8,14 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 from torch import nn
 
 import spread
 from spread.testing import run_ps_job
+
+pytestmark = pytest.mark.processes
 
 STEPS = 30
 

@@ -14,6 +14,8 @@ import pytest
 from spread.testing.processes import process_alive
 from spread.testing.ps_jobs import TaskRun, run_ps_script
 
+pytestmark = pytest.mark.processes
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 150.0  # a hang shows up as processes killed at this deadline (returncode None)
 

@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_spread_run_starts_every_role_and_stops_the_servers(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
@@ -47,6 +48,7 @@ def test_spread_run_starts_every_role_and_stops_the_servers(tmp_path):
     assert "[chief 0] finished chief 0" in done.stdout
 
 
+@pytest.mark.processes
 def test_spread_run_job_that_closes_nothing_ends_by_itself():
     """The chief stops the servers when its script ends: spread run never has to (it says so when it
     does), and nothing prints a traceback."""
@@ -62,6 +64,7 @@ def test_spread_run_job_that_closes_nothing_ends_by_itself():
         assert f"[{task}] trained {task}" in done.stdout
 
 
+@pytest.mark.processes
 def test_example_with_the_coordinator_under_spread_run():
     cmd = [sys.executable, "-m", "spread.cli.main", "run", "--workers", "2", "--ps", "2"]
     cmd += ["examples/parameter_server.py", "--coordinator", "--epochs", "5"]

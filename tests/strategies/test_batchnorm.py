@@ -110,6 +110,7 @@ def _mwms_train(sync_batchnorm: bool, steps: int) -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_with_sync_batchnorm_equals_one_device(one_device):
     per_rank = run_ranks(_mwms_train, 2, args=(True, STEPS), timeout=180)
     for rank, state in enumerate(per_rank):
@@ -118,6 +119,7 @@ def test_multi_worker_mirrored_with_sync_batchnorm_equals_one_device(one_device)
         assert torch.equal(state["4.num_batches_tracked"], one_device["4.num_batches_tracked"])
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_buffers_match_thread_replicas_without_sync_batchnorm(mirrored_default):
     """Default: buffers averaged after each step, weighted by the replicas' shares: identical on
     both ranks, and the same update thread replicas make from the same statistics."""
@@ -143,6 +145,7 @@ def _mwms_fit_and_evaluate() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_evaluate_uses_the_common_statistics():
     per_rank = run_ranks(_mwms_fit_and_evaluate, 2, timeout=180)
     chief = per_rank[0]["state"]
@@ -175,6 +178,7 @@ def _hybrid_pipeline() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_hybrid_pipeline_batchnorm_is_thread_replicas_accumulating_microbatches():
     """What BatchNorm in a pipeline equals: each stage normalises micro-batches; a stage's replicas
     average their buffers after each step. That is MirroredStrategy with the same replicas, each

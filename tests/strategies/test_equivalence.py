@@ -52,6 +52,7 @@ def _mwms_worker(optimizer_names: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.processes
 def test_multi_worker_mirrored_equals_one_device(reference, nprocs):
     per_rank = run_ranks(_mwms_worker, nprocs, args=(OPTIMIZERS,), timeout=180)
     for name in OPTIMIZERS:
@@ -87,6 +88,7 @@ def _mwms_every_algorithm(names: list[str]) -> dict:
         owner.close()
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_every_algorithm_equals_one_device(reference):
     from spread.strategies.multi_worker_mirrored import COMMUNICATIONS
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_anywhere.py"
 BIN = Path(sys.executable).parent

@@ -35,6 +35,7 @@ def _sync_worker(optimizer_name: str) -> dict:
 
 
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+@pytest.mark.processes
 def test_sync_mode_equals_one_device(optimizer_name):
     reference = train_custom_loop(spread.OneDeviceStrategy("cpu"), optimizer_name)
     results = _run(_sync_worker, 2, 2, optimizer_name)
@@ -87,6 +88,7 @@ def _digits_worker() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_async_digits_two_workers_two_servers_reaches_93_percent():
     results = _run(_digits_worker, 2, 2)
     chief = results[0].value

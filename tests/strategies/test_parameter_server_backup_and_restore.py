@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from spread.testing import reap_survivors
 
 STEPS_PER_TASK = 10  # 160 samples, global batch 32: 5 steps per epoch, 2 epochs
@@ -151,6 +153,7 @@ def _recovery(run: dict) -> dict:
     }
 
 
+@pytest.mark.processes
 def test_sync_mode_sigkilled_worker_restart_resumes_exactly(tmp_path):
     reference = _launch(tmp_path, "ref", {"mode": "sync"}, max_restarts=0)
     run = _launch(tmp_path, "run", {"mode": "sync", "rank": 1, "step": 5}, max_restarts=1)
@@ -164,6 +167,7 @@ def test_sync_mode_sigkilled_worker_restart_resumes_exactly(tmp_path):
     print("FIGURES ps sync", json.dumps({**figures, "max_abs_weight_diff": diff}))
 
 
+@pytest.mark.processes
 def test_async_mode_sigkilled_chief_restart_applies_every_step_exactly_once(tmp_path):
     # The chief backs up at its step 6 (the worker is at most one step apart: max_staleness=1) and dies
     # at step 7; the worker's steps after the backup may have reached one server and not the other.

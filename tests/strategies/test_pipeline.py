@@ -98,6 +98,7 @@ def _equivalence_worker(stages: int, replicas: int, schedules: list[str]) -> dic
     ],
     ids=["2_stages", "3_stages", "hybrid_2x2"],
 )
+@pytest.mark.processes
 def test_pipeline_equals_one_device(reference, stages, replicas, schedules):
     per_rank = run_ranks(
         _equivalence_worker, stages * replicas, args=(stages, replicas, schedules), timeout=300
@@ -173,6 +174,7 @@ def trainer_job(tmp_path_factory) -> tuple[dict, list[dict], Path]:
     return ref, per_rank, pipeline_ckpt
 
 
+@pytest.mark.processes
 def test_trainer_fit_evaluate_predict_and_checkpoints(trainer_job):
     ref, per_rank, pipeline_ckpt = trainer_job
     for rank, got in enumerate(per_rank):
@@ -202,6 +204,7 @@ def _dying_worker(victim: int) -> None:
 
 
 @pytest.mark.parametrize("victim", [2, 0])  # 2: the first stage hears of it two hops away
+@pytest.mark.processes
 def test_a_killed_stage_is_named_by_every_other_stage(victim):
     # The collective deadline is long (120 s) and the harness gives survivors 45 s after the first
     # death: passing proves the survivors noticed the death itself, not a timeout.
@@ -261,6 +264,7 @@ def _too_many_stages() -> str:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_more_stages_than_layers_is_a_clear_error(trainer_job):
     _, per_rank, _ = trainer_job
     assert all("stages=2 is more than the model's 1 layers" in r["too_many_stages"] for r in per_rank)
@@ -273,6 +277,7 @@ def test_training_through_model_call_is_refused_with_guidance():
 
 
 # -- under `spread run` --------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_example_under_spread_run_trains_and_reloads_in_one_process():
     import re
     import subprocess

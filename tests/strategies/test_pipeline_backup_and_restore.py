@@ -15,6 +15,8 @@ import spread
 from spread.testing import reap_survivors, run_ranks
 from spread.train.callbacks import BackupAndRestore, Callback, ModelCheckpoint
 
+pytestmark = pytest.mark.processes
+
 N, BATCH, EPOCHS, SAVE_FREQ, CRASH_AT = 96, 16, 2, 4, 7  # 6 steps per epoch, 12 in all
 
 

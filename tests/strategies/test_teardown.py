@@ -92,6 +92,7 @@ def test_exit_timeout_from_the_environment(monkeypatch):
         assert exit_timeout() == 10.0
 
 
+@pytest.mark.processes
 def test_released_at_exit_after_later_exit_callbacks_with_the_scripts_exit_code(tmp_path):
     script = tmp_path / "exits.py"
     script.write_text(
@@ -191,7 +192,7 @@ def _probes(stdout: str) -> dict[int, dict]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["pipeline", "multi_worker_mirrored"])
 def test_process_group_and_threads_are_gone_before_the_interpreter_finalizes(tmp_path, kind):
     out = _spread_run(tmp_path, TRAIN, kind, "none")
@@ -206,7 +207,7 @@ def test_process_group_and_threads_are_gone_before_the_interpreter_finalizes(tmp
         assert state["python_threads"] == ["MainThread"], (rank, state)  # heartbeat joined
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("kind", "fault", "code"), [("pipeline", "exit", 3), ("multi_worker_mirrored", "raise", 1)]
 )
@@ -228,7 +229,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_an_operation_in_flight_does_not_hold_the_exit(tmp_path):
     # Before: rank 1 waited at exit until rank 0 ended (here: 600 s). Now the release gives up after
     # SPREAD_EXIT_TIMEOUT, rank 1 exits with its own code, and `spread run` stops rank 0.

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from spread.testing.processes import process_alive
 from spread.testing.ps_jobs import run_ps_script
+
+pytestmark = pytest.mark.processes
 
 
 def test_a_task_still_running_at_the_deadline_is_reported_with_its_stacks(tmp_path):

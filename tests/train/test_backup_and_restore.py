@@ -115,6 +115,7 @@ class _RaiseOnRank(Callback):
         return float(self.stamp.read_text())
 
 
+@pytest.mark.processes
 def test_r5_without_a_launcher_the_other_rank_fails_within_the_collective_timeout(tmp_path):
     from spread.testing import launch_ranks
 
@@ -152,6 +153,7 @@ def _fit_with_an_unwritable_backup_dir(backup_dir: str) -> None:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_a_chief_that_cannot_write_the_backup_stops_every_rank_with_a_clear_error(tmp_path):
     from spread.testing import launch_ranks
 
@@ -516,6 +518,7 @@ def _assert_exact(run: Run, reference: Run) -> float:
 
 
 @pytest.mark.parametrize("launcher", ["spread", "torchrun"])
+@pytest.mark.processes
 def test_sigkill_a_worker_restart_and_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted, launcher):
     run = _launch(tmp_path, {"mode": "sigkill", "step": 11, "ranks": [1]}, launcher=launcher)
     assert "CHAOS attempt=0 rank=1 step=11 mode=sigkill" in run.log
@@ -524,6 +527,7 @@ def test_sigkill_a_worker_restart_and_resume_equals_the_uninterrupted_run(tmp_pa
     assert figures["steps_recomputed"] <= 4 and figures["attempts"] == 2
 
 
+@pytest.mark.processes
 def test_r1_sigkill_one_of_four_workers(tmp_path):
     reference = _launch(tmp_path, nproc=4, max_restarts=0, name="ref4")
     assert reference.code == 0 and reference.weights, reference.log[-3000:]
@@ -549,6 +553,7 @@ R2_POINTS = {
 
 
 @pytest.mark.parametrize("point", list(R2_POINTS))
+@pytest.mark.processes
 def test_r2_kill_points(tmp_path, uninterrupted, point):
     chaos, restored = R2_POINTS[point]
     run = _launch(tmp_path, chaos)
@@ -559,6 +564,7 @@ def test_r2_kill_points(tmp_path, uninterrupted, point):
     assert figures["attempts"] == 2
 
 
+@pytest.mark.processes
 def test_r5_a_rank_raises_the_group_restarts_and_finishes(tmp_path, uninterrupted):
     run = _launch(tmp_path, {"mode": "raise", "step": 9, "ranks": [1]})
     assert "RuntimeError: chaos: rank 1 fails at step 9" in run.log
@@ -567,6 +573,7 @@ def test_r5_a_rank_raises_the_group_restarts_and_finishes(tmp_path, uninterrupte
     _recovery(run)
 
 
+@pytest.mark.processes
 def test_r5_when_restarts_run_out_spread_run_exits_with_the_failing_ranks_code(tmp_path):
     run = _launch(tmp_path, {"mode": "raise", "step": 3, "ranks": [1]}, max_restarts=0)
     assert run.code == 1, run.log[-3000:]
@@ -575,6 +582,7 @@ def test_r5_when_restarts_run_out_spread_run_exits_with_the_failing_ranks_code(t
     print("FIGURES", json.dumps({"exit": run.code, "raise_to_job_end_s": round(job_ended_after, 2)}))
 
 
+@pytest.mark.processes
 def test_r6_a_rank_that_dies_on_every_attempt_gives_up_after_max_restarts_plus_one(tmp_path):
     run = _launch(
         tmp_path, {"mode": "sigkill", "step": 2, "ranks": [1], "every_attempt": True}, max_restarts=2
@@ -591,6 +599,7 @@ def test_r6_a_rank_that_dies_on_every_attempt_gives_up_after_max_restarts_plus_o
     )
 
 
+@pytest.mark.processes
 def test_r7_all_ranks_die_at_once_is_one_failure_per_attempt_and_no_orphans(tmp_path):
     run = _launch(
         tmp_path, {"mode": "sigkill", "step": 3, "ranks": [0, 1], "every_attempt": True}, max_restarts=1
@@ -605,6 +614,7 @@ def test_r7_all_ranks_die_at_once_is_one_failure_per_attempt_and_no_orphans(tmp_
     print("FIGURES", json.dumps({**figures, "wall_s": round(run.seconds, 1)}))
 
 
+@pytest.mark.processes
 def test_s4_every_listener_during_default_training_is_on_loopback(uninterrupted):
     listeners = {e["rank"]: json.loads(e["addrs"]) for e in uninterrupted.events("LISTEN")}
     assert sorted(listeners) == [0, 1]
@@ -616,6 +626,7 @@ def test_s4_every_listener_during_default_training_is_on_loopback(uninterrupted)
     print("FIGURES", json.dumps({"listeners": listeners, "job": job, "non_loopback": len(outside)}))
 
 
+@pytest.mark.processes
 def test_s6_the_job_token_is_in_no_log_command_line_or_checkpoint(uninterrupted):
     # _launch already searched this run (and every other run of this module); here: it looked somewhere.
     assert uninterrupted.backup_dir.is_dir() and list(uninterrupted.backup_dir.rglob("state.pt"))

@@ -80,6 +80,7 @@ def test_mirrored_trainer_equals_one_device(reference):
         strategy.close()
 
 
+@pytest.mark.processes
 def test_multi_worker_trainer_equals_one_device_and_ranks_agree(reference):
     results = run_ranks(_fit_mwms, 2, timeout=120)
     for result in results:

@@ -176,6 +176,7 @@ def _mwms_ema() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_multi_worker_mirrored_keeps_the_one_device_average_on_every_rank():
     per_rank = run_ranks(_mwms_ema, 2, timeout=180)
     ema = EMA(decay=0.9)
@@ -204,6 +205,7 @@ def _pipeline_ema() -> dict:
         strategy.close()
 
 
+@pytest.mark.processes
 def test_pipeline_backs_up_the_one_device_average_and_evaluates_with_it():
     """One micro-batch: the pipeline computes what one device does; each stage averages its own
     layers, and the backup state gathers them into the one-device layout."""

@@ -225,6 +225,7 @@ def _check_bar_run(raw: str, prefix: str, width: int) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_live_bar_on_a_terminal(tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(FIT_SCRIPT)
@@ -240,6 +241,7 @@ def test_live_bar_on_a_terminal(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_live_bar_through_a_relaying_launcher(tmp_path):
     # What `spread run` does when its own stdout is a terminal: the rank's stdout is a pipe, and the
     # environment says that the pipe ends on a terminal COLUMNS wide.
@@ -263,7 +265,7 @@ def _run_on_pipe(script: Path, env: dict[str, str], cwd: Path) -> str:
     return result.stdout.decode()
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_spread_run_on_a_terminal_shows_rank_0s_bar_only(tmp_path):
     script = tmp_path / "fit.py"
