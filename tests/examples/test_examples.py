@@ -56,3 +56,12 @@ def test_custom_loop_in_one_process(replicas):
     out = _run([sys.executable, "examples/custom_loop.py", "--replicas", replicas, "--steps", "20"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"done: 20 steps on {replicas} replica(s)" in out.stdout
+
+
+def test_hf_gpt2_under_spread_run_learns_the_toy_language():
+    pytest.importorskip("transformers")
+    out = _run([str(BIN / "spread"), "run", "-n", "2", "examples/hf_gpt2.py"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    match = re.search(r"hf_gpt2: 2 replica\(s\): loss (\S+) -> (\S+)", out.stdout)
+    assert match, out.stdout[-3000:]
+    assert float(match.group(2)) < 0.5 * float(match.group(1))

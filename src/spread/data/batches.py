@@ -1,8 +1,30 @@
-"""What a training batch is made of: inputs and targets, from the shapes datasets yield."""
+"""What a training batch is made of, from the shapes datasets yield.
+
+Two shapes: ``(inputs, targets)`` (or ``{"x": ..., "y": ...}``), and a dict of named tensors that is
+the model's keyword arguments (Hugging Face style: ``{"input_ids": ..., "attention_mask": ...,
+"labels": ...}``), where the model computes its own loss and ``labels`` are the targets.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One replica's batch: what the model is called with, the targets, how many samples."""
+
+    inputs: Any  # a tensor (or structure) passed positionally, or a Mapping passed as **kwargs
+    targets: Any  # None for a keyword batch without "labels"
+    size: int
+
+    @property
+    def as_keywords(self) -> bool:
+        return isinstance(self.inputs, Mapping)
 
 
 def inputs_and_targets(batch: Any, *, who: str) -> tuple[Any, Any]:
@@ -17,3 +39,30 @@ def inputs_and_targets(batch: Any, *, who: str) -> tuple[Any, Any]:
     raise TypeError(
         f"{who} expects batches of (inputs, targets) or {{'x': ..., 'y': ...}}; got {type(batch).__name__}"
     )
+
+
+def as_batch(batch: Any, *, who: str) -> Batch:
+    """A :class:`Batch` of a pair, an ``{"x", "y"}`` dict, or a dict of the model's keyword arguments."""
+    if isinstance(batch, Mapping) and not {"x", "y"} <= batch.keys():
+        if not batch:
+            raise TypeError(f"{who} got an empty dict as a batch")
+        return Batch(dict(batch), batch.get("labels"), _samples(batch, who))
+    inputs, targets = inputs_and_targets(batch, who=who)
+    size = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else len(targets)
+    return Batch(inputs, targets, size)
+
+
+def _samples(value: Any, who: str) -> int:
+    """Samples along dim 0 of the first tensor found in ``value``."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.ndim else 1
+    if isinstance(value, Mapping):
+        for item in value.values():
+            if isinstance(item, torch.Tensor):
+                return _samples(item, who)
+    if isinstance(value, tuple | list):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return _samples(item, who)
+        return len(value)
+    raise TypeError(f"{who} cannot count the samples of a {type(value).__name__}")

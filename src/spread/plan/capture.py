@@ -76,6 +76,11 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
     original_fit = Trainer.fit
 
     def fit(self: Trainer, train_data: Any, *, global_batch_size: int = 32, **_: Any) -> Any:
+        if self.loss_fn is None:
+            raise CaptureError(
+                "spread plan profiles models trained on (inputs, targets) with a loss_fn; this script's "
+                "model computes its own loss (Trainer(loss_fn=None)): pass --model with a factory"
+            )
         x, y = _first_batch(train_data, global_batch_size)
         raise _FitReached(
             CapturedWorkload(

@@ -387,6 +387,12 @@ class PipelineStrategy(Strategy):
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
                 "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
             )
+        if program.loss_fn is None:
+            raise ValueError(
+                "PipelineStrategy needs Trainer(loss_fn=...): the last stage computes the loss from "
+                "(inputs, targets) batches; a model computing its own loss is not pipelined"
+            )
+        loss_fn = program.loss_fn
         x, y = inputs_and_targets(batch, who="PipelineStrategy")
         width = 2 + len(program.metrics)
         stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
@@ -394,7 +400,7 @@ class PipelineStrategy(Strategy):
         def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
             stats.add_(program.batch_stats(out, target, loss, int(target.shape[0])).to(stats.device))
 
-        self._step(program.model, x, y, program.loss_fn, on_loss)
+        self._step(program.model, x, y, loss_fn, on_loss)
         with self._guard("the metrics all-reduce"):
             self.world.all_reduce(stats, name="pipeline_metrics")  # only last stages contribute
         return stats

@@ -10,26 +10,23 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
-from spread.data.batches import inputs_and_targets
+from spread.data.batches import Batch, as_batch
 from spread.errors import NonFiniteLossError
 from spread.memory.accumulation import check_accumulation_steps, micro_batches
 from spread.strategies import Strategy, make_strategy
 from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
 from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
+from spread.train.outputs import loss_of, prediction_of
 
 NONFINITE_POLICIES = ("raise", "skip_step")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _num_samples(y: Any) -> int:
-    return int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
 
 
 class Trainer:
@@ -38,7 +35,10 @@ class Trainer:
     Args:
         model: the network; built inside ``strategy.scope()`` or not (then it is moved and synced).
         optimizer: a torch optimizer over the model's parameters.
-        loss_fn: ``(y_pred, y_true) -> scalar mean loss`` over the replica's batch.
+        loss_fn: ``(y_pred, y_true) -> scalar mean loss`` over the replica's batch; ``None``: the
+            model computes it (a Hugging Face model given ``labels``: its output's ``loss``). Batches
+            are ``(inputs, targets)`` pairs, or dicts of the model's keyword arguments
+            (``model(**batch)``; ``batch["labels"]`` are the targets of metrics).
         strategy: a Strategy, a registered name ("mirrored", ...) or None for one device.
         metrics: names ("accuracy", "mse", "mae") or per-sample functions ``(y_pred, y_true) -> [n]``.
         callbacks: added to every ``fit`` call (History and ProgressBar are added for you); their
@@ -54,7 +54,7 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         *,
         strategy: Strategy | str | None = None,
         metrics: Sequence[str | MetricFn] | None = None,
@@ -102,40 +102,56 @@ class Trainer:
             values.append(fn(y_pred.detach(), y).sum().to(loss.dtype) if n else loss.new_zeros(()))
         return torch.stack([v.reshape(()) for v in values]).to(torch.float64)
 
+    def _forward(self, batch: Batch) -> Any:
+        return self.model(**batch.inputs) if batch.as_keywords else self.model(batch.inputs)
+
+    def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prediction, mean loss)`` of a non-empty batch; for an empty one a zero loss that still
+        reaches every parameter (a replica with no samples takes part in the gradient exchange)."""
+        if batch.size == 0 and batch.as_keywords:
+            # Hugging Face models cannot run an empty batch: no forward, zero gradients.
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            zero = torch.stack([p.sum() for p in params]).sum() * 0.0
+            return zero.reshape(1), zero
+        output = self._forward(batch)
+        prediction = prediction_of(output)
+        if batch.size == 0:
+            return prediction, prediction.sum() * 0.0
+        if self.loss_fn is None:
+            return prediction, loss_of(output)
+        if batch.targets is None:
+            raise ValueError("Trainer got a batch without 'labels' and a loss_fn: the loss_fn has no targets")
+        return prediction, self.loss_fn(prediction, batch.targets)
+
     def replica_train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one replica's batch (``strategy.run`` calls it on each replica)."""
-        x, y = inputs_and_targets(batch, who="Trainer")
+        b = as_batch(batch, who="Trainer")
         if self.accumulation_steps > 1:
-            return self._accumulate_replica_step(x, y)
-        n = _num_samples(y)
-        y_pred = self.model(x)
-        loss = self.loss_fn(y_pred, y)
-        # A replica with no samples still takes part in the gradient exchange, with zero gradients.
-        (loss if n else y_pred.sum() * 0.0).backward()
-        return self.batch_stats(y_pred, y, loss, n)
+            return self._accumulate_replica_step(b)
+        prediction, loss = self._forward_loss(b)
+        loss.backward()
+        return self.batch_stats(prediction, b.targets, loss, b.size)
 
-    def _accumulate_replica_step(self, x: Any, y: Any) -> torch.Tensor:
+    def _accumulate_replica_step(self, batch: Batch) -> torch.Tensor:
         """Micro-batches of this replica's slice; each mean loss weighted by its share of the slice
         (see spread.memory.accumulation); only the last backward exchanges gradients."""
         stats = None
-        for micro in micro_batches((x, y), self.accumulation_steps, strategy=self.strategy):
-            (mx, my), n = micro.data, micro.num_samples
-            y_pred = self.model(mx)
-            loss = self.loss_fn(y_pred, my)
-            micro.backward(loss if n else y_pred.sum() * 0.0)
-            part = self.batch_stats(y_pred, my, loss, n)
+        whole = batch.inputs if batch.as_keywords else (batch.inputs, batch.targets)
+        for micro in micro_batches(whole, self.accumulation_steps, strategy=self.strategy):
+            part_batch = as_batch(micro.data, who="Trainer")
+            prediction, loss = self._forward_loss(part_batch)
+            micro.backward(loss)
+            part = self.batch_stats(prediction, part_batch.targets, loss, part_batch.size)
             stats = part if stats is None else stats + part
         if stats is None:
             raise RuntimeError("micro_batches yielded no micro-batch")
         return stats
 
     def _eval_replica_step(self, batch: Any) -> torch.Tensor:
-        x, y = inputs_and_targets(batch, who="Trainer")
+        b = as_batch(batch, who="Trainer")
         with torch.no_grad():
-            y_pred = self.model(x)
-            n = _num_samples(y)
-            loss = self.loss_fn(y_pred, y) if n else y_pred.new_zeros(())
-            return self.batch_stats(y_pred, y, loss, n)
+            prediction, loss = self._forward_loss(b)
+            return self.batch_stats(prediction, b.targets, loss, b.size)
 
     # -- public API --------------------------------------------------------------------------------
     def fit(
@@ -285,7 +301,8 @@ class Trainer:
     def predict(self, data: Any, *, global_batch_size: int = 256) -> torch.Tensor:
         """The model's outputs for every sample of ``data``, in dataset order, on every rank.
 
-        ``data`` yields inputs, or (inputs, targets) pairs whose targets are ignored.
+        ``data`` yields inputs, (inputs, targets) pairs whose targets are ignored, or dicts of the
+        model's keyword arguments; a model returning a ``ModelOutput`` gives its ``logits``.
         """
         dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
         was_training = self.model.training
@@ -294,9 +311,12 @@ class Trainer:
         outputs = []
 
         def replica_predict(batch: Any) -> torch.Tensor:
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
             with torch.no_grad():
-                return self.model(x)
+                if isinstance(batch, Mapping) and not {"x", "y"} <= batch.keys():
+                    return prediction_of(self.model(**batch))
+                x = batch[0] if isinstance(batch, (tuple, list)) else batch
+                x = batch["x"] if isinstance(batch, Mapping) else x
+                return prediction_of(self.model(x))
 
         try:
             for batch in dataset:

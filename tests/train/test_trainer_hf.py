@@ -1,0 +1,107 @@
+"""Hugging Face models without glue: dict batches into ``model(**batch)``, the model's own loss
+(``loss_fn=None``), ``ModelOutput`` results in metrics and ``predict``; equal to one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import spread
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, LENGTH = 64, 8
+
+
+class TokenBatches(Dataset):
+    """Tokenizer-style samples: a dict of tensors per sample, as a tokenized HF dataset yields."""
+
+    def __init__(self, n: int, *, classes: int | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
+        self.mask = torch.ones(n, LENGTH, dtype=torch.int64)
+        self.labels = self.ids.clone() if classes is None else (self.ids[:, 0] % classes)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def _gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _train(strategy: spread.Strategy, data: Dataset, make_model, **fit) -> tuple[dict, torch.nn.Module]:
+    with strategy.scope():
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = spread.Trainer(model, optimizer, None, strategy=strategy)
+    history = trainer.fit(data, epochs=2, global_batch_size=4, shuffle=False, verbose=0, **fit)
+    return history.history, model
+
+
+def test_gpt2_on_dict_batches_under_mirrored_equals_one_device():
+    data = TokenBatches(10)  # 10 samples, global batch 4: the last batch has 2 (one per replica)
+    one_logs, one = _train(spread.OneDeviceStrategy(), data, _gpt2)
+    two_logs, two = _train(spread.MirroredStrategy(num_replicas=2), data, _gpt2)
+    assert one_logs["loss"] == pytest.approx(two_logs["loss"], rel=1e-5)
+    for (name, a), b in zip(one.state_dict().items(), two.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_replica_without_samples_takes_part_with_zero_gradients():
+    data = TokenBatches(9)  # the last global batch has 1 sample: replica 1 gets none
+    one_logs, one = _train(spread.OneDeviceStrategy(), data, _gpt2)
+    two_logs, two = _train(spread.MirroredStrategy(num_replicas=2), data, _gpt2)
+    assert one_logs["loss"] == pytest.approx(two_logs["loss"], rel=1e-5)
+    for a, b in zip(one.parameters(), two.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_bert_classifier_with_accuracy_and_predict():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=LENGTH,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    strategy = spread.MirroredStrategy(num_replicas=2)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TokenBatches(12, classes=3)
+    trainer = spread.Trainer(model, optimizer, None, strategy=strategy, metrics=["accuracy"])
+    history = trainer.fit(data, epochs=1, global_batch_size=4, verbose=0)
+    assert 0.0 <= history.history["accuracy"][0] <= 1.0
+    logs = trainer.evaluate(data, global_batch_size=8)
+    assert set(logs) == {"loss", "accuracy"}
+    logits = trainer.predict(data, global_batch_size=8)
+    assert logits.shape == (12, 3)
+
+
+def test_loss_fn_none_with_a_model_that_computes_no_loss_is_a_clear_error():
+    model = torch.nn.Linear(4, 2)
+    trainer = spread.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    with pytest.raises(ValueError, match=r"loss_fn=None.*has no 'loss'"):
+        trainer.fit(data, epochs=1, global_batch_size=4, verbose=0)
