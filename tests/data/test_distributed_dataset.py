@@ -148,3 +148,18 @@ def test_dataset_smaller_than_replica_count_is_refused():
 
 def test_shard_policy_parse():
     assert ShardPolicy.parse("data") is ShardPolicy.DATA
+
+
+def test_a_dataloader_gives_its_dataset_and_refuses_what_would_be_ignored():
+    from torch.utils.data import DataLoader, WeightedRandomSampler
+
+    ds = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(20, 1), torch.arange(20))
+    layout = ReplicaLayout(1, 0, 1)
+    assert len(DistributedDataset(DataLoader(ds, batch_size=4, shuffle=True), 4, layout)) == 5
+    assert len(DistributedDataset(DataLoader(ds, batch_size=None), 4, layout)) == 5
+    with pytest.raises(ValueError, match=r"batch_size=10 differs from global_batch_size=4"):
+        DistributedDataset(DataLoader(ds, batch_size=10), 4, layout)
+    with pytest.raises(ValueError, match=r"WeightedRandomSampler would be ignored"):
+        DistributedDataset(
+            DataLoader(ds, batch_size=4, sampler=WeightedRandomSampler([1.0] * 20, 20)), 4, layout
+        )

@@ -13,8 +13,17 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 from torch.utils.data._utils.collate import default_collate
+from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from spread.data.prefetch import WaitClock, prefetch
 from spread.data.sharding import ShardPolicy, epoch_order, global_batches, split_sizes
@@ -67,6 +76,31 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _check_loader(loader: DataLoader, global_batch_size: int) -> None:
+    """A DataLoader gives its dataset, ``collate_fn`` and ``num_workers``; spread batches, shards and
+    shuffles (with a seed every replica shares) itself, so a batch size or sampler that would be
+    ignored is refused instead."""
+    if loader.batch_size is not None and loader.batch_size != global_batch_size:
+        raise ValueError(
+            f"the DataLoader's batch_size={loader.batch_size} differs from global_batch_size="
+            f"{global_batch_size}: spread splits each global batch over the replicas itself; pass "
+            f"global_batch_size={loader.batch_size} (the whole step's batch), or the dataset"
+        )
+    batches = loader.batch_sampler
+    sampler = batches.sampler if isinstance(batches, BatchSampler) else loader.sampler
+    if not isinstance(sampler, SequentialSampler | RandomSampler | _InfiniteConstantSampler):
+        raise ValueError(
+            f"the DataLoader's {type(sampler).__name__} would be ignored: spread shards and shuffles "
+            f"the dataset itself (shuffle= and seed= of fit/distribute_dataset); pass the dataset, or "
+            f"a DataLoader without a sampler"
+        )
+    if loader.batch_sampler is not None and not isinstance(loader.batch_sampler, BatchSampler):
+        raise ValueError(
+            f"the DataLoader's batch_sampler ({type(loader.batch_sampler).__name__}) would be ignored: "
+            f"spread forms the global batches itself; pass the dataset"
+        )
+
+
 def _as_dataset(data: Any) -> tuple[Any, Callable[[Any], Any] | None, int]:
     """Accept a Dataset, an IterableDataset, a DataLoader, a tensor tuple or an iterable."""
     num_workers = 0
@@ -115,6 +149,8 @@ class DistributedDataset:
                 f"global_batch_size={global_batch_size} is smaller than the {layout.num_replicas} replicas: "
                 f"every replica needs at least one sample per step"
             )
+        if isinstance(data, DataLoader):
+            _check_loader(data, global_batch_size)
         self.dataset, collate, loader_workers = _as_dataset(data)
         self.collate_fn = collate or default_collate
         self.num_workers = loader_workers if num_workers is None else num_workers
