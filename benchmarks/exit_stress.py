@@ -130,6 +130,7 @@ CASES = [
     Case("digits", ("-n", "2"), "examples/digits.py", ("--epochs", "5", "--verbose", "0")),
     Case("custom_loop", ("-n", "2"), "examples/custom_loop.py", ("--steps", "20")),
     Case("pipeline", ("-n", "2"), "examples/pipeline.py", ("--epochs", "3")),
+    Case("hf_gpt2", ("-n", "2"), "examples/hf_gpt2.py"),
     Case(
         "parameter_server",
         ("--workers", "2", "--ps", "2"),

@@ -17,7 +17,7 @@ def test_starting_a_process_in_the_fast_tier_fails_naming_the_mark():
     if not conftest.FAST_TIER:
         pytest.skip("checks the fast tier's guard; run by the test below under SPREAD_TEST_FAST=1")
     with pytest.raises(RuntimeError, match=r"not marked pytest\.mark\.processes"):
-        subprocess.run([sys.executable, "-c", "pass"], check=False)
+        subprocess.run([sys.executable, "-c", "pass"], check=False, timeout=60)
     with pytest.raises(RuntimeError, match=r"not marked pytest\.mark\.processes"):
         multiprocessing.get_context("spawn").Process(target=print).start()
     with pytest.raises(RuntimeError, match=r"not marked pytest\.mark\.processes"):
