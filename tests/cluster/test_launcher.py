@@ -529,6 +529,53 @@ def test_a_recorded_exception_is_named_in_the_failure_note(
 
 
 @pytest.mark.processes
+def test_the_rank_that_raised_first_is_named_not_a_peer_that_lost_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 raises but is slow to exit; rank 0 then fails with spread's PeerLostError and exits
+    first. The note and the exit code are rank 1's: its exception came first and rank 0's only
+    reports it."""
+    flag = tmp_path / "raised"
+    script = _script(
+        tmp_path,
+        f"""
+        import atexit
+        from spread.errors import PeerLostError
+
+        if os.environ["RANK"] == "1":
+            atexit.register(time.sleep, 2)  # a slow teardown after the exception
+            open({str(flag)!r}, "w").close()
+            raise ValueError("bad learning rate 1e9")
+        while not os.path.exists({str(flag)!r}):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        raise PeerLostError(0, "all_reduce", 7, "a peer process went away")
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 1
+    err = capfd.readouterr().err
+    assert "rank 1 exited with code 1 (ValueError: bad learning rate 1e9)" in err
+    assert "rank 0 exited" not in err
+
+
+@pytest.mark.processes
+def test_without_records_the_first_rank_to_fail_is_named(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        if os.environ["RANK"] == "1":
+            time.sleep(1)
+            os._exit(5)
+        os._exit(4)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 4
+    assert "rank 0 exited with code 4" in capfd.readouterr().err
+
+
+@pytest.mark.processes
 def test_torch_rank_tags_are_not_doubled(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(
         tmp_path,

@@ -67,6 +67,59 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, save_freq, 
     assert history == reference_history
 
 
+def _fit_scheduled(backup_dir, schedule: str, extra=(), init_seed=0) -> tuple[dict, dict, dict]:
+    """A fit with a learning-rate schedule, fp16 loss scaling and clipping: their state must resume."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+    torch.manual_seed(init_seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if schedule == "one_cycle":  # per step, state-rich (phases, momentum cycling)
+        options = {
+            "lr_scheduler": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.5, total_steps=EPOCHS * 7),
+            "scheduler_interval": "step",
+        }
+    else:  # per epoch, driven by the logs (best value, patience counter)
+        options = {
+            "lr_scheduler": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(
+                opt, mode="max", patience=0
+            ),
+            "scheduler_monitor": "loss",
+        }
+    trainer = spread.Trainer(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        callbacks=[BackupAndRestore(str(backup_dir), save_freq=2), *extra],
+        precision="fp16",
+        clip_grad_norm=0.5,
+        **options,
+    )
+    trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    history = trainer.fit((x, y), epochs=EPOCHS, global_batch_size=BATCH, verbose=0)
+    state = trainer.training_state()
+    return {k: v.clone() for k, v in model.state_dict().items()}, history.history, state
+
+
+@pytest.mark.parametrize("schedule", ["one_cycle", "plateau"])
+def test_resume_continues_the_schedule_and_the_loss_scale_exactly(tmp_path, schedule):
+    torch.manual_seed(123)
+    reference_weights, reference_history, reference_state = _fit_scheduled(tmp_path / "ref", schedule)
+    assert len(set(reference_history["lr"])) >= 2  # the rate changed
+    assert reference_state["grad_scaler"]["scale"] != 2.0**20  # and so did the loss scale
+    torch.manual_seed(123)
+    with pytest.raises(KeyboardInterrupt):
+        _fit_scheduled(tmp_path / "run", schedule, extra=[_Interrupt(11)])  # mid-epoch 2, after a backup
+    torch.manual_seed(999)
+    weights, history, state = _fit_scheduled(tmp_path / "run", schedule, init_seed=7)
+    for k, v in reference_weights.items():
+        assert torch.equal(weights[k], v), k
+    assert history == reference_history  # lr and grad_norm included
+    assert state["lr_scheduler"] == reference_state["lr_scheduler"]
+    assert state["grad_scaler"] == reference_state["grad_scaler"]
+    assert torch.equal(state["grad_norm_sums"], reference_state["grad_norm_sums"])
+
+
 def test_bad_save_freq():
     with pytest.raises(ValueError, match="save_freq"):
         BackupAndRestore("x", save_freq=0)
@@ -577,7 +630,10 @@ def test_r5_a_rank_raises_the_group_restarts_and_finishes(tmp_path, uninterrupte
 def test_r5_when_restarts_run_out_spread_run_exits_with_the_failing_ranks_code(tmp_path):
     run = _launch(tmp_path, {"mode": "raise", "step": 3, "ranks": [1]}, max_restarts=0)
     assert run.code == 1, run.log[-3000:]
-    assert "rank 1 exited with code 1; stopped the other 1 process(es)" in run.log
+    assert (
+        "rank 1 exited with code 1 (RuntimeError: chaos: rank 1 fails at step 3); stopped the other 1 process(es)"
+        in run.log
+    )
     job_ended_after = run.ended - run.events("CHAOS")[0]["t"]  # the others stopped and reaped too
     print("FIGURES", json.dumps({"exit": run.code, "raise_to_job_end_s": round(job_ended_after, 2)}))
 

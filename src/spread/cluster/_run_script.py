@@ -23,9 +23,12 @@ import builtins
 import gc
 import importlib.machinery
 import io
+import json
 import os
 import sys
 import threading
+import time
+import traceback
 import types
 
 from spread import env  # names only: imports neither torch nor the rest of spread
@@ -73,6 +76,32 @@ def _release_distributed(namespace: dict) -> None:
         )
 
 
+def _record_error(error: BaseException) -> None:
+    """Write the exception to ``TORCHELASTIC_ERROR_FILE`` as torch's ``@record`` would (unless the
+    script's own ``@record`` already did), with when it was raised and its type, so the launcher can
+    name the rank whose failure came first rather than a peer that failed because of it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    now = time.time()
+    kind = type(error)
+    record = {
+        "message": {
+            "message": f"{kind.__name__}: {error}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(error)),
+                "timestamp": str(int(now)),
+            },
+        },
+        "spread": {"exception": f"{kind.__module__}.{kind.__qualname__}", "raised_at": now},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:  # naming the failure is a courtesy; failing here would hide the real error
+        pass
+
+
 def _script_module(path: str) -> types.ModuleType:
     """A fresh ``__main__`` as CPython builds it for ``python path``."""
     main = types.ModuleType("__main__")
@@ -101,6 +130,7 @@ def main() -> None:
     except BaseException as error:  # print it as python would, without this runner's frames
         outer = error.__traceback__
         error = error.with_traceback(outer.tb_next if outer else None)
+        _record_error(error)
         sys.excepthook(type(error), error, error.__traceback__)
         sys.exit(1)
 

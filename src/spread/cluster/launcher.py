@@ -12,7 +12,9 @@ attempt. On top of it:
   and the store never listens on all interfaces.
 * **First failure wins.** When a rank exits non-zero, or stays stopped (SIGSTOP) for
   ``_STOPPED_LIMIT`` seconds, the others are stopped at once and ``spread run`` exits with that rank's
-  code (``128 + S`` for a rank killed by signal ``S``; torchrun exits 1 for any failure).
+  code (``128 + S`` for a rank killed by signal ``S``; torchrun exits 1 for any failure). The rank
+  named is the one whose exception came first (recorded in torchrun's ``TORCHELASTIC_ERROR_FILE``
+  by spread's script runner), not a peer that exited sooner only because it lost that rank.
 * **Signals reach the ranks as a terminal delivers them.** SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to
   the launcher are forwarded to every rank's process group, so ``except KeyboardInterrupt:`` handlers
   run; what is still alive ``kill_grace`` seconds later is SIGKILLed (a second signal: at once).
@@ -44,8 +46,10 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from spread import env as spread_env
 from spread.cluster._output import OutputRelay
@@ -56,6 +60,7 @@ from spread.cluster._process import (
     process_state,
     signal_group,
 )
+from spread.errors import CollectiveTimeout, PeerLostError
 
 TOKEN_ENV = spread_env.JOB_TOKEN
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -67,6 +72,8 @@ _STOPPED_LIMIT = 3.0  # seconds a rank may stay stopped (SIGSTOP, state T) befor
 _SERVICE_ROLES = ("ps", "evaluator")  # tasks of a parameter-server job that serve the training tasks
 # Variables an outer launcher may have set that would misdirect our ranks if inherited.
 _INHERITED_NOISE = ("TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
+# Exceptions that report another rank's failure: never named as the cause when a rank raised another.
+_CONSEQUENCES = frozenset(f"{e.__module__}.{e.__qualname__}" for e in (PeerLostError, CollectiveTimeout))
 
 
 def _invalid(name: str, rule: str, value: object) -> ValueError:
@@ -309,15 +316,34 @@ class _ErrorFiles:
         folder.mkdir(parents=True, exist_ok=True)
         return folder / "error.json"
 
+    def _record(self, attempt: int, rank: int) -> dict[str, Any] | None:
+        try:
+            record = json.loads(self.path(attempt, rank).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
     def summary(self, attempt: int, rank: int) -> str | None:
         """The first line of the recorded exception, if the rank recorded one."""
         try:
-            record = json.loads(self.path(attempt, rank).read_text())
-            message = record["message"]
+            message = self._record(attempt, rank)["message"]  # type: ignore[index]
             text = message["message"] if isinstance(message, dict) else message
             return str(text).strip().splitlines()[0] or None
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (KeyError, TypeError, IndexError):
             return None
+
+    def raised_first(self, attempt: int, ranks: Iterable[int]) -> int | None:
+        """Of ``ranks``, the one whose recorded exception came first, leaving out exceptions that
+        only report another rank's failure (a lost peer, a collective it never joined). ``None``
+        when no rank recorded one (a plain script without spread's runner or ``@record``)."""
+        causes = []
+        for rank in ranks:
+            info = (self._record(attempt, rank) or {}).get("spread")
+            if not isinstance(info, dict) or info.get("exception") in _CONSEQUENCES:
+                continue
+            if isinstance(raised_at := info.get("raised_at"), int | float):
+                causes.append((float(raised_at), rank))
+        return min(causes)[1] if causes else None
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -490,6 +516,8 @@ class _Attempt:
             self._stop(self.trap.signum or signal.SIGTERM)
         for thread in self.threads:
             thread.join(timeout=_RELAY_JOIN_TIMEOUT)
+        if failure is not None and failure.stopped_for is None:
+            failure = self._root_cause(failure)
         if failure is not None:
             summary = self.launch.errors.summary(self.number, failure.rank)
             detail = f" ({summary})" if summary else ""
@@ -499,6 +527,17 @@ class _Attempt:
             name = signal.Signals(self.trap.signum).name
             self.relay.note(f"received {name}; forwarded it to {running} process(es) and stopped them")
         return failure
+
+    def _root_cause(self, first: _Failure) -> _Failure:
+        """The failure to report: the first rank to exit non-zero, unless another failed rank recorded
+        an exception raised earlier that is not itself a consequence (rank 1 raises; rank 0 sees its
+        peer gone and happens to exit first). Such a rank exits 1, as python does on an exception,
+        unless it exited by itself with another code before it was stopped."""
+        failed = {self.rank(r): code for r, code in self.returncodes.items() if code != 0}
+        cause = self.launch.errors.raised_first(self.number, failed)
+        if cause is None or cause == first.rank:
+            return first
+        return _Failure(cause, failed[cause] if failed[cause] > 0 else 1)
 
     def _watch(self, local_rank: int, proc: subprocess.Popen) -> None:
         self.events.put(("exit", self.number, local_rank, proc.wait()))

@@ -77,11 +77,13 @@ class StageRunner:
         *,
         no_sync: Callable[[], AbstractContextManager] | None = None,
         on_loss: OnLoss | None = None,
+        forward_context: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         """One mini-batch: ``inputs`` (first stage) and ``targets`` (last stage) are per micro-batch;
         ``weights[i]`` is micro-batch i's share of the global batch. Gradients accumulate in ``.grad``.
         Every stage should pass the micro-batches' pipeline inputs (their shapes key the transfers,
-        see :mod:`spread.pipeline.p2p`); only the first stage computes on them."""
+        see :mod:`spread.pipeline.p2p`); only the first stage computes on them. ``forward_context``
+        (autocast for mixed precision) wraps each forward and loss, not the backward."""
         num_backward = sum(1 for a in actions if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
         done_backward = 0
         split = None
@@ -131,6 +133,7 @@ class StageRunner:
                 with (
                     self._meter(x if self.is_first else None) as meter,
                     split.forward() if split is not None else nullcontext() as graph,
+                    forward_context() if forward_context is not None else nullcontext(),
                 ):
                     out = self.module(x)
                     if self.is_last:

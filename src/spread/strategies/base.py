@@ -14,7 +14,7 @@ overrides it. Nothing above this layer probes a strategy for optional attributes
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +24,7 @@ from torch import nn
 
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
+from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.context import (
     ReplicaContext,
     _pop_scope,
@@ -48,6 +49,11 @@ class TrainingProgram(Protocol):
     def metrics(self) -> Mapping[str, Callable[..., torch.Tensor]]: ...
     @property
     def accumulation_steps(self) -> int: ...
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """The context forward passes and the loss run under (autocast for mixed precision; never
+        the backward pass)."""
+        ...
 
     def replica_train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one replica's batch; its summed ``[loss*n, n, metric sums...]``."""
@@ -328,6 +334,46 @@ class Strategy(abc.ABC):
         the same on every rank. The caller steps the optimizer. Strategies that own forward and
         backward (pipelines) override it."""
         return self.reduce("sum", self.run(program.replica_train_step, args=(batch,)))
+
+    # -- gradients between backward and the optimizer step (Trainer's clipping, loss scaling) ------
+    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """L2 norm of the whole model's reduced gradient over ``params``: what one device's
+        ``torch.nn.utils.clip_grad_norm_`` computes on the global batch. A 0-dim float32 tensor, the
+        same on every rank. Call after :meth:`run` (or :meth:`run_training_step`) returned, before
+        ``optimizer.step()``; collective wherever a strategy overrides it.
+
+        Default: this process's ``.grad`` hold the whole model's reduced gradient (data parallelism:
+        after ``run`` every replica holds the same sum), so its own norm. A strategy whose process
+        holds part of the gradient (a pipeline stage) sums the parts' squared norms over the processes
+        that hold the rest.
+        """
+        return local_norm(params, self.device)
+
+    def clip_gradients(
+        self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
+    ) -> torch.Tensor:
+        """Clip the reduced gradient as one device would: by global norm (``clip_grad_norm_``'s
+        coefficient ``min(1, max_norm / (norm + 1e-6))``), then each element to ``[-max_value,
+        max_value]`` (``clip_grad_value_``). Returns the global norm *before* clipping (see
+        :meth:`global_grad_norm`; the same on every rank), non-finite when some gradient is. When to
+        call: as :meth:`global_grad_norm`, every rank alike.
+
+        Default: :meth:`global_grad_norm`, then scale and clamp this process's ``.grad``. A strategy
+        whose reduced gradient is not on the training processes overrides it (or refuses it).
+        """
+        norm = self.global_grad_norm(params)
+        if max_norm is not None:
+            scale_by_norm(params, max_norm, norm)
+        if max_value is not None:
+            clamp_values(params, max_value)
+        return norm
+
+    def check_precision(self, precision: str) -> None:
+        """Raise ``ValueError`` naming the reason where this strategy cannot train in ``precision``
+        (``"32"``, ``"bf16"``, ``"fp16"``; see :mod:`spread.train.precision`). Default: every one: the
+        gradient is reduced before the optimizer step, so a loss scaler's overflow check (``fp16``)
+        sees the same gradient, and skips the same steps, on every replica."""
+        return
 
     def gather_from_every_rank(self, value: torch.Tensor) -> torch.Tensor:
         """One row per rank of the whole job, stacked on dimension 0 (collective); ``value`` itself

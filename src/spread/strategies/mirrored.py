@@ -47,6 +47,7 @@ from spread.cluster.rendezvous import default_collective_timeout
 from spread.comm.in_process import hierarchical_copy, reduce_to_one
 from spread.data import ReplicaLayout
 from spread.errors import SpreadError
+from spread.strategies import thread_state
 from spread.strategies.base import Strategy
 from spread.strategies.batchnorm import BatchNormReplicas, ReplicaExchangeAborted, ThreadReplicaSum
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
@@ -191,11 +192,15 @@ class MirroredStrategy(Strategy):
         thread_sum = self._thread_sum
         if thread_sum is not None:
             thread_sum.reset()
+        caller = thread_state.capture()  # autocast, grad mode, ... hold on every replica's thread
 
         def replica(i: int) -> Any:
             _set_replica_context(ReplicaContext(self, i, n, weights[i]))
             try:
-                return fn(*select_replica(args, i), **select_replica(kwargs, i))
+                if i == 0:
+                    return fn(*select_replica(args, i), **select_replica(kwargs, i))
+                with thread_state.applied(caller):
+                    return fn(*select_replica(args, i), **select_replica(kwargs, i))
             except BaseException:
                 if thread_sum is not None:  # the others must not wait for this replica's statistics
                     thread_sum.abort()

@@ -44,7 +44,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -340,6 +340,31 @@ class ParameterServerStrategy(Strategy):
         if info is None or info.global_size <= 0:
             return [1.0 / self.num_workers]
         return [size / info.global_size for size in info.local_sizes]
+
+    # -- gradients between backward and the push ----------------------------------------------------
+    def clip_gradients(
+        self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
+    ) -> torch.Tensor:
+        """Async: clip this task's own gradient before it is pushed (what TensorFlow's optimizers do
+        on a parameter-server worker); the norm is of this task's gradient. Sync: refused, because
+        the gradient one device would clip is the servers' sum of every task's share, which no task
+        holds."""
+        if self.mode == "sync":
+            raise SpreadError(
+                "ParameterServerStrategy(mode='sync') does not clip gradients: the gradient one device "
+                "would clip is the sum of every task's share, which only the servers hold; clip in "
+                "mode='async' (each task's own gradient) or use MultiWorkerMirroredStrategy"
+            )
+        return super().clip_gradients(params, max_norm=max_norm, max_value=max_value)
+
+    def check_precision(self, precision: str) -> None:
+        if precision == "fp16":
+            raise ValueError(
+                "ParameterServerStrategy does not train with precision='fp16': a step the loss scaler "
+                "skips pushes nothing, so in sync mode the other tasks would wait for it, and in async "
+                "mode the servers' count of this task's steps (its resume point) would fall behind its "
+                "data; use precision='bf16' (no loss scaling needed)"
+            )
 
     def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
         # This worker's value: workers do not wait for each other, so nothing is combined.

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -77,6 +77,7 @@ from spread.pipeline.affinity import CpuBinding, bind_local_cpus
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
 from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
+from spread.strategies.clipping import local_norm
 from spread.strategies.context import get_replica_context
 from spread.strategies.process_group import join_process_group, local_device
 
@@ -333,7 +334,15 @@ class PipelineStrategy(Strategy):
             raise SpreadError("this PipelineStrategy already pipelines another model")
 
     # -- training ----------------------------------------------------------------------------------
-    def _step(self, model: nn.Module, x: Any, y: Any, loss_fn: Callable, on_loss: Callable | None) -> None:
+    def _step(
+        self,
+        model: nn.Module,
+        x: Any,
+        y: Any,
+        loss_fn: Callable,
+        on_loss: Callable | None,
+        forward_context: Callable[[], AbstractContextManager] | None = None,
+    ) -> None:
         self._check_model(model)
         if get_replica_context() is not None:
             raise SpreadError("call train_step from the training loop, not inside strategy.run")
@@ -360,6 +369,7 @@ class PipelineStrategy(Strategy):
                 weights,
                 no_sync=self._reducer.no_sync if self._reducer is not None else None,
                 on_loss=on_loss,
+                forward_context=forward_context,
             )
             if self._buffers is not None:  # the stage's replicas: the same running statistics
                 self._buffers.sync(n / global_n)
@@ -400,10 +410,28 @@ class PipelineStrategy(Strategy):
         def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
             stats.add_(program.batch_stats(out, target, loss, int(target.shape[0])).to(stats.device))
 
-        self._step(program.model, x, y, loss_fn, on_loss)
+        self._step(program.model, x, y, loss_fn, on_loss, program.forward_context)
         with self._guard("the metrics all-reduce"):
             self.world.all_reduce(stats, name="pipeline_metrics")  # only last stages contribute
         return stats
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """Each stage holds its own layers' gradients only (the others' ``.grad`` stay empty or
+        zero): the squared norms are summed over the stages of this pipeline replica (one small
+        all-reduce; after the hybrid exchange a stage's replicas hold the same gradient)."""
+        squared = local_norm(params, self._device).to(torch.float64).square().reshape(1)
+        with self._guard("the gradient-norm all-reduce"):
+            self.pipeline_collectives.all_reduce(squared, name="grad_norm")
+        return squared.sqrt().to(torch.float32).reshape(())
+
+    def check_precision(self, precision: str) -> None:
+        if precision == "fp16":
+            raise ValueError(
+                "PipelineStrategy does not train with precision='fp16': a loss scaler skips a step when "
+                "its own gradients overflow, and each stage would decide alone (and scale alone); "
+                "use precision='bf16' (no loss scaling needed)"
+            )
 
     # -- inference ---------------------------------------------------------------------------------
     def _pipelined_forward(self, inner: Callable, x: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -4,6 +4,12 @@ The trainer is a thin loop over the strategy's contract: the dataset is distribu
 each step runs forward and backward on every replica (``strategy.run``), gradients arrive reduced,
 the optimizer steps once in cross-replica context. Loss and metrics are summed over replicas once
 per step (one small all-reduce), so every rank sees the same logs and callbacks agree.
+
+Between the reduced gradient and the optimizer step come the everyday extras, each through the
+strategy's contract so that it means what it means on one device: the fp16 loss scaler's unscale
+(:mod:`spread.train.precision`), clipping by the whole model's global norm
+(``Strategy.clip_gradients``), then the step and the learning-rate schedule
+(:mod:`spread.train.lr_schedule`).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -22,11 +28,21 @@ from spread.errors import NonFiniteLossError
 from spread.memory.accumulation import check_accumulation_steps, micro_batches
 from spread.strategies import Strategy, make_strategy
 from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
+from spread.train.lr_schedule import LRSchedule, SchedulerArg
 from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 from spread.train.outputs import loss_of, prediction_of
+from spread.train.precision import Precision, check_precision
 
 NONFINITE_POLICIES = ("raise", "skip_step")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check_clip(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be None or a positive finite number, got {name}={value!r}")
+    return float(value)
 
 
 class Trainer:
@@ -48,6 +64,18 @@ class Trainer:
         accumulation_steps: run each replica's slice of the global batch as this many micro-batches
             (forward and backward each), then step once: the update of the whole global batch with
             about 1/k of the activation memory; gradients are exchanged once per step.
+        lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler of ``optimizer``, or a callable
+            building one from it; stepped once per optimizer step or per epoch (see
+            :mod:`spread.train.lr_schedule`); the logs then hold ``lr``.
+        scheduler_interval: ``"epoch"`` (default) or ``"step"``.
+        scheduler_monitor: the log a metric-driven scheduler (``ReduceLROnPlateau``) steps with;
+            default ``"val_loss"`` with validation data (per epoch), else ``"loss"``.
+        clip_grad_norm: clip the gradient to this global L2 norm, computed over the whole model's
+            reduced gradient (across replicas, stages and shards: equal to one device's
+            ``torch.nn.utils.clip_grad_norm_``); the norm before clipping is logged as ``grad_norm``.
+        clip_grad_value: clip each gradient element to ``[-v, v]`` (after ``clip_grad_norm``).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a loss scaler; see
+            :mod:`spread.train.precision`).
     """
 
     def __init__(
@@ -61,6 +89,12 @@ class Trainer:
         callbacks: Sequence[Callback] | None = None,
         on_nonfinite: str = "raise",
         accumulation_steps: int = 1,
+        lr_scheduler: SchedulerArg | None = None,
+        scheduler_interval: str = "epoch",
+        scheduler_monitor: str | None = None,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        precision: str = "32",
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
@@ -77,11 +111,25 @@ class Trainer:
                 "accumulation_steps > 1 does not combine with sync_batchnorm=True: statistics would be "
                 "exchanged per micro-batch, and replicas with fewer samples run fewer micro-batches"
             )
+        self.clip_grad_norm = _check_clip("clip_grad_norm", clip_grad_norm)
+        self.clip_grad_value = _check_clip("clip_grad_value", clip_grad_value)
+        precision = check_precision(precision)
+        self.strategy.check_precision(precision)
+        self.precision = Precision(precision, self.strategy.device)
+        self.lr_schedule = (
+            LRSchedule(lr_scheduler, optimizer, scheduler_interval, scheduler_monitor)
+            if lr_scheduler is not None
+            else None
+        )
+        if lr_scheduler is None and (scheduler_interval != "epoch" or scheduler_monitor is not None):
+            raise ValueError("scheduler_interval and scheduler_monitor need an lr_scheduler")
         self.stop_training = False
         self.params: dict[str, Any] = {}
         self.epoch = 0
         self.global_step = 0
         self.skipped_steps = 0
+        self.scaler_skipped_steps = 0  # fp16 steps the loss scaler skipped (overflow; not failures)
+        self.grad_norm_sums = torch.zeros(2, dtype=torch.float64)  # this epoch's [sum of norms, steps]
         self.data_wait_fraction = 0.0  # share of the last epoch this rank spent waiting for batches
         self.running_sums: RunningSums | None = None  # the current epoch's loss and metric sums
         self.resume_point: dict[str, Any] | None = None  # set by BackupAndRestore in on_train_begin
@@ -96,7 +144,10 @@ class Trainer:
 
     # -- one replica's work ------------------------------------------------------------------------
     def batch_stats(self, y_pred: torch.Tensor, y: Any, loss: torch.Tensor, n: int) -> torch.Tensor:
-        """``[loss*n, n, metric sums...]`` of ``n`` samples (float64, summed over replicas later)."""
+        """``[loss*n, n, metric sums...]`` of ``n`` samples (float64, summed over replicas later).
+        Under mixed precision the loss is widened first, so sums keep their digits."""
+        if loss.dtype in (torch.bfloat16, torch.float16):
+            loss = loss.float()
         values = [loss.detach() * n if n else loss.new_zeros(()), loss.new_tensor(float(n))]
         for fn in self.metrics.values():
             values.append(fn(y_pred.detach(), y).sum().to(loss.dtype) if n else loss.new_zeros(()))
@@ -113,15 +164,20 @@ class Trainer:
             params = [p for p in self.model.parameters() if p.requires_grad]
             zero = torch.stack([p.sum() for p in params]).sum() * 0.0
             return zero.reshape(1), zero
-        output = self._forward(batch)
-        prediction = prediction_of(output)
-        if batch.size == 0:
-            return prediction, prediction.sum() * 0.0
-        if self.loss_fn is None:
-            return prediction, loss_of(output)
-        if batch.targets is None:
+        if batch.size and self.loss_fn is not None and batch.targets is None:
             raise ValueError("Trainer got a batch without 'labels' and a loss_fn: the loss_fn has no targets")
-        return prediction, self.loss_fn(prediction, batch.targets)
+        with self.forward_context():
+            output = self._forward(batch)
+            prediction = prediction_of(output)
+            if batch.size == 0:
+                return prediction, prediction.sum() * 0.0
+            if self.loss_fn is None:
+                return prediction, loss_of(output)
+            return prediction, self.loss_fn(prediction, batch.targets)
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """Forward passes and losses run inside (autocast under bf16/fp16; backward never does)."""
+        return self.precision.autocast()
 
     def replica_train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one replica's batch (``strategy.run`` calls it on each replica)."""
@@ -129,7 +185,7 @@ class Trainer:
         if self.accumulation_steps > 1:
             return self._accumulate_replica_step(b)
         prediction, loss = self._forward_loss(b)
-        loss.backward()
+        self.precision.scale(loss).backward()
         return self.batch_stats(prediction, b.targets, loss, b.size)
 
     def _accumulate_replica_step(self, batch: Batch) -> torch.Tensor:
@@ -140,7 +196,7 @@ class Trainer:
         for micro in micro_batches(whole, self.accumulation_steps, strategy=self.strategy):
             part_batch = as_batch(micro.data, who="Trainer")
             prediction, loss = self._forward_loss(part_batch)
-            micro.backward(loss)
+            micro.backward(self.precision.scale(loss))
             part = self.batch_stats(prediction, part_batch.targets, loss, part_batch.size)
             stats = part if stats is None else stats + part
         if stats is None:
@@ -215,22 +271,30 @@ class Trainer:
                 first_step = resume["batch"]
                 train.load_state_dict({"epoch": epoch, "batch": first_step})
                 sums.totals = resume["sums"].clone()
+            has_validation = validation_data is not None
+            if first_step == 0:  # a resumed epoch keeps the norms of its steps before the backup
+                self.grad_norm_sums.zero_()
             for step, batch in enumerate(train, start=first_step):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 cbs.call("on_train_batch_begin", step, {})
-                packed = self._train_step(batch)
+                packed, step_logs = self._train_step(batch)
                 sums.add(packed)
-                batch_logs = sums.results()
+                batch_logs = {**sums.results(), **step_logs, **self._lr_logs()}
                 batch_logs["size"] = int(packed[1].item())
+                if self.lr_schedule is not None and step_logs.get("stepped", True):
+                    self.lr_schedule.after_optimizer_step(batch_logs, has_validation)
+                batch_logs.pop("stepped", None)
                 cbs.call("on_train_batch_end", step, batch_logs)
             self.data_wait_fraction = train.wait_clock.seconds / max(
                 time.perf_counter() - epoch_started, 1e-9
             )
-            logs = sums.results()
-            if validation_data is not None:
+            logs = {**sums.results(), **self._epoch_norm_logs(), **self._lr_logs()}
+            if has_validation:
                 val_logs = self._evaluate(validation_data, validation_batch_size or global_batch_size, None)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            if self.lr_schedule is not None:
+                self.lr_schedule.after_epoch(logs, has_validation)
             cbs.call("on_epoch_end", epoch, logs)
             if self.stop_training:
                 break
@@ -238,22 +302,82 @@ class Trainer:
         self.active_callbacks = []
         return self.history
 
-    def _train_step(self, batch: Any) -> torch.Tensor:
+    def _train_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One global batch: forward and backward, unscale, clip, optimizer step. Returns the summed
+        ``[loss*n, n, metrics...]`` (zeros for a dropped step) and the step's own logs (``grad_norm``
+        when clipping; ``stepped``: False when on_nonfinite dropped the step)."""
         self.optimizer.zero_grad(set_to_none=True)
         packed = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics...], every rank
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.on_nonfinite == "raise":
-                raise NonFiniteLossError(
-                    f"non-finite loss ({loss_sum}) at epoch {self.epoch}, step {self.global_step}; "
-                    f"the weights were not updated (use on_nonfinite='skip_step' to drop such steps)"
+            return self._drop_step(packed, f"non-finite loss ({loss_sum})")
+        self.precision.unscale(self.optimizer)  # fp16: true gradients before clipping and the step
+        step_logs: dict[str, Any] = {}
+        if self.clip_grad_norm is not None or self.clip_grad_value is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            norm = float(
+                self.strategy.clip_gradients(
+                    params, max_norm=self.clip_grad_norm, max_value=self.clip_grad_value
                 )
-            self.skipped_steps += 1
-            return packed.new_zeros(packed.shape)
-        self.optimizer.step()
+            )
+            # Under fp16 an overflow is the loss scaler's to skip; otherwise it is a failure.
+            if not math.isfinite(norm) and self.precision.scaler is None:
+                return self._drop_step(packed, f"non-finite gradient norm ({norm})")
+            step_logs["grad_norm"] = norm
+            if math.isfinite(norm):
+                self.grad_norm_sums += torch.tensor([norm, 1.0], dtype=torch.float64)
+        if not self.precision.step(self.optimizer):
+            self.scaler_skipped_steps += 1
         self.global_step += 1
-        return packed
+        return packed, step_logs
+
+    def _drop_step(self, packed: torch.Tensor, what: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``on_nonfinite``: raise before the weights change, or drop this step's update."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.on_nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"{what} at epoch {self.epoch}, step {self.global_step}; "
+                f"the weights were not updated (use on_nonfinite='skip_step' to drop such steps)"
+            )
+        self.skipped_steps += 1
+        return packed.new_zeros(packed.shape), {"stepped": False}
+
+    def _lr_logs(self) -> dict[str, float]:
+        """``lr`` (the first parameter group's) when a scheduler or a callback sets it."""
+        if self.lr_schedule is None and not any(cb.sets_learning_rate for cb in self.active_callbacks):
+            return {}
+        return {"lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def _epoch_norm_logs(self) -> dict[str, float]:
+        total, count = self.grad_norm_sums.tolist()
+        return {"grad_norm": total / count} if count else {}
+
+    # -- state beyond model and optimizer (BackupAndRestore, ModelCheckpoint) ----------------------
+    def training_state(self) -> dict[str, Any]:
+        """The learning-rate scheduler's state, the fp16 loss scaler's and this epoch's gradient-norm
+        sums: what a backup holds of the Trainer besides the model, optimizer and data position."""
+        state: dict[str, Any] = {"grad_norm_sums": self.grad_norm_sums.clone()}
+        if self.lr_schedule is not None:
+            state["lr_scheduler"] = self.lr_schedule.state_dict()
+        if self.precision.scaler is not None:
+            state["grad_scaler"] = self.precision.state_dict()
+        return state
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`training_state` (a backup of a run without a scheduler or scaler leaves this
+        Trainer's as they are)."""
+        if "grad_norm_sums" in state:
+            self.grad_norm_sums = state["grad_norm_sums"].clone().to(torch.float64)
+        if self.lr_schedule is not None and "lr_scheduler" in state:
+            self.lr_schedule.load_state_dict(state["lr_scheduler"])
+        if "grad_scaler" in state:
+            self.precision.load_state_dict(state["grad_scaler"])
+
+    def replay_training_state(self, global_step: int, epoch: int) -> None:
+        """A rank resuming without the backup's Trainer state (an async parameter-server worker):
+        advance the schedule to ``global_step`` steps, ``epoch`` epochs."""
+        if self.lr_schedule is not None:
+            self.lr_schedule.replay(global_step, epoch)
 
     def _evaluate(self, data: Any, global_batch_size: int, cbs: CallbackList | None) -> dict[str, float]:
         dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
@@ -311,12 +435,15 @@ class Trainer:
         outputs = []
 
         def replica_predict(batch: Any) -> torch.Tensor:
-            with torch.no_grad():
+            with torch.no_grad(), self.forward_context():
                 if isinstance(batch, Mapping) and not {"x", "y"} <= batch.keys():
-                    return prediction_of(self.model(**batch))
-                x = batch[0] if isinstance(batch, (tuple, list)) else batch
-                x = batch["x"] if isinstance(batch, Mapping) else x
-                return prediction_of(self.model(x))
+                    out = prediction_of(self.model(**batch))
+                else:
+                    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+                    x = batch["x"] if isinstance(batch, Mapping) else x
+                    out = prediction_of(self.model(x))
+            # Mixed precision: outputs in float32, as under "32" (autocast picks dtypes per operation).
+            return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
 
         try:
             for batch in dataset:

@@ -39,6 +39,9 @@ class FakeTrainer:
         self.global_step = 0
         self.active_callbacks: list[Callback] = []
 
+    def training_state(self) -> dict[str, Any]:
+        return {"grad_norm_sums": torch.zeros(2, dtype=torch.float64)}  # no scheduler, no scaler
+
     def fit(
         self,
         callbacks: Sequence[Callback],

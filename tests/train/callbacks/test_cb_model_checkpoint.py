@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from spread.train.callbacks import CallbackList, ModelCheckpoint
 
@@ -47,6 +48,33 @@ def test_full_state_with_optimizer(fake_trainer, tmp_path):
     assert state["epoch"] == 1 and state["global_step"] == 8
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
     assert float(state["model"]["weight"].flatten()[0]) == 1.0
+
+
+def test_full_state_holds_the_schedule_and_the_loss_scaler(tmp_path):
+    import spread
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = spread.Trainer(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        scheduler_interval="step",
+        precision="fp16",
+    )
+    data = (torch.randn(8, 3), torch.randint(0, 2, (8,)))
+    trainer.fit(
+        data,
+        epochs=1,
+        global_batch_size=4,
+        verbose=0,
+        callbacks=[ModelCheckpoint(tmp_path / "full.pt", save_weights_only=False)],
+    )
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert set(state) == {"model", "optimizer", "epoch", "global_step", "lr_scheduler", "grad_scaler"}
+    assert state["lr_scheduler"]["last_epoch"] == 2 and state["lr_scheduler"]["_last_lr"] == [0.025]
+    assert state["grad_scaler"]["scale"] == trainer.precision.scaler.get_scale()
 
 
 def test_save_freq_in_batches(fake_trainer, tmp_path):

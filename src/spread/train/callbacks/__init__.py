@@ -11,6 +11,7 @@ from spread.train.callbacks.csv_logger import CSVLogger
 from spread.train.callbacks.early_stopping import EarlyStopping
 from spread.train.callbacks.ema import EMA
 from spread.train.callbacks.history import History
+from spread.train.callbacks.lr_scheduler import LearningRateScheduler
 from spread.train.callbacks.model_checkpoint import ModelCheckpoint
 from spread.train.callbacks.progress import ProgressBar
 from spread.train.callbacks.tensorboard import TensorBoard
@@ -23,6 +24,7 @@ __all__ = [
     "EarlyStopping",
     "EMA",
     "History",
+    "LearningRateScheduler",
     "Logs",
     "ModelCheckpoint",
     "ProgressBar",

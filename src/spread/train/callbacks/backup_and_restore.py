@@ -1,11 +1,12 @@
 """BackupAndRestore: resume an interrupted ``fit`` at the exact step, with TF's semantics.
 
 Saved at every ``save_freq`` (end of each epoch, or every N optimizer steps): model and optimizer
-state, the step and epoch, the data pipeline's position (epoch and batches consumed), the running
-loss/metric sums of the current epoch, the History so far, and the RNG states (torch's for every
-rank, gathered to the chief; Python's and NumPy's of the chief). On the next ``fit`` with the same
-directory every rank restores them, and training continues after the last saved batch: no sample
-repeated or skipped, and the final weights equal an uninterrupted run's.
+state, the Trainer's own state (learning-rate scheduler, fp16 loss scaler, the epoch's gradient-norm
+sums: ``Trainer.training_state``), the step and epoch, the data pipeline's position (epoch and
+batches consumed), the running loss/metric sums of the current epoch, the History so far, and the
+RNG states (torch's for every rank, gathered to the chief; Python's and NumPy's of the chief). On
+the next ``fit`` with the same directory every rank restores them, and training continues after the
+last saved batch: no sample repeated or skipped, and the final weights equal an uninterrupted run's.
 
 A backup records the strategy's class and replica count, the global batch size and the optimizer's
 class; restoring into a model, optimizer or strategy that differs raises
@@ -94,6 +95,7 @@ class BackupAndRestore(Callback):
         self._check_compatible(state, step)
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.load_training_state(state.get("trainer") or {})
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
         trainer.history.epoch = list(state["history_epochs"])
@@ -135,8 +137,11 @@ class BackupAndRestore(Callback):
         self.restored_step = restore.backup_step
         own_part = strategy.rank in strategy.ranks_with_own_backup()
         own = self._task_manager(strategy.rank).load_latest(step=held) if own_part else None
-        if own is not None:  # this rank's RNG states, History and running sums too
+        if own is None:  # no state of this rank's own: the schedule is replayed to the resume point
+            trainer.replay_training_state(held, held // steps)
+        else:  # this rank's RNG states, History, running sums and Trainer state too
             _, state = own
+            trainer.load_training_state(state.get("trainer") or {})
             trainer.history.history = {k: list(v) for k, v in state["history"].items()}
             trainer.history.epoch = list(state["history_epochs"])
             trainer.resume_point["sums"] = state["sums"]
@@ -272,6 +277,7 @@ class BackupAndRestore(Callback):
             "sums": sums,
             "history": {k: list(v) for k, v in trainer.history.history.items()},
             "history_epochs": list(trainer.history.epoch),
+            "trainer": trainer.training_state(),
             "rng": {
                 "torch": all_rng.cpu(),
                 "python": (version, list(internal), gauss),

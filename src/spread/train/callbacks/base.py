@@ -29,6 +29,9 @@ class Callback:
     """
 
     chief_only: bool = False
+    # A callback that sets the optimizer's learning rate (LearningRateScheduler) says so: the Trainer
+    # then puts the rate in the logs as ``lr``, before History and the other callbacks see them.
+    sets_learning_rate: bool = False
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None

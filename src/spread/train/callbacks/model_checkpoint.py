@@ -86,7 +86,8 @@ class ModelCheckpoint(Callback):
             ``monitor`` warns once and skips saving (it does not stop training).
         save_weights_only: save ``model.state_dict()`` only; if False, save one dict with ``model``,
             ``optimizer`` (its state dict), ``epoch`` (0-based index of the epoch being trained; resume
-            an epoch-end save with ``initial_epoch=epoch + 1``) and ``global_step``.
+            an epoch-end save with ``initial_epoch=epoch + 1``) and ``global_step``, plus
+            ``lr_scheduler`` and ``grad_scaler`` (their state dicts) when the Trainer has them.
         save_freq: ``"epoch"``, or a positive number of batches between saves (the logs are then the
             running means of the current epoch, as in Keras).
         verbose: 1 prints a line for each save (and each skipped best-only save).
@@ -173,6 +174,7 @@ class ModelCheckpoint(Callback):
             "optimizer": optimizer_state,
             "epoch": epoch,
             "global_step": self.trainer.global_step,
+            **{k: v for k, v in trainer.training_state().items() if k in ("lr_scheduler", "grad_scaler")},
         }
 
     def _warn_missing(self, logs: Logs) -> None:
