@@ -414,6 +414,17 @@ class Strategy(abc.ABC):
         resume) or started afresh (``None``)."""
         raise NotImplementedError(f"{type(self).__name__}: every rank reads the backup itself")
 
+    def replica_count_change_refusal(self, saved: int) -> str | None:
+        """Why a backup taken with ``saved`` replicas cannot resume at this strategy's
+        :attr:`num_replicas_in_sync`, or ``None`` when it can.
+
+        Default ``None``: a data-parallel backup holds the one-device model and optimizer state and
+        counts data in global batches, and the global batch's math does not depend on how it is split
+        (replicas' shares are weighted; they need not be equal), so it resumes exactly at any count.
+        A strategy whose saved state is per replica or per task refuses, naming what differs.
+        """
+        return None
+
     def ranks_with_own_backup(self) -> list[int]:
         """Non-chief ranks that save their own part of every backup (RNG states, History), because
         the strategy gives them no collective to gather it to the chief."""

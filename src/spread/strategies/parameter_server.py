@@ -482,6 +482,14 @@ class ParameterServerStrategy(Strategy):
             return None
         return ChiefRestore(backup_step=backup.step, resume_step=self.resume_from_servers())
 
+    def replica_count_change_refusal(self, saved: int) -> str | None:
+        return (
+            f"a parameter-server backup holds each of its {saved} worker tasks' resume point (the "
+            f"steps the servers applied from that task, and in sync mode its RNG states); with "
+            f"{self.num_replicas_in_sync} workers those would belong to no task or be missing: "
+            "resume with the same number of workers"
+        )
+
     def ranks_with_own_backup(self) -> list[int]:
         # Sync mode resumes bit for bit, so every task's RNG states matter, and tasks share no
         # collective to gather them to the chief. Async mode is never bit-exact: they start afresh.

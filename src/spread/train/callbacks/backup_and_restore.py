@@ -11,7 +11,14 @@ last saved batch: no sample repeated or skipped, and the final weights equal an 
 A backup records the strategy's class and replica count, the global batch size and the optimizer's
 class; restoring into a model, optimizer or strategy that differs raises
 :class:`~spread.errors.CheckpointMismatchError` listing every mismatched key and field, before any
-weight is overwritten (an exact resume is impossible across such a change).
+weight is overwritten (an exact resume is impossible across such a change). The replica count alone
+may change where the strategy says so
+(:meth:`~spread.strategies.Strategy.replica_count_change_refusal`): data-parallel backups hold the
+one-device state and count data in global batches, so a job backed up at 2 processes resumes at 1, 3
+or 4 and ends with the weights the 2-process run would have had (float tolerance: the sums are split
+differently). Random layers (dropout) draw from each rank's own stream, so they cannot repeat what
+ranks that no longer exist would have drawn; ranks beyond the saved count get a stream derived
+from a saved one.
 
 Callbacks with state of their own (:class:`~spread.callbacks.EMA`) are part of the backup through
 :meth:`Callback.state_dict`/:meth:`Callback.load_state_dict`, keyed by class name (``EMA``, then
@@ -77,6 +84,7 @@ class BackupAndRestore(Callback):
         self.manager = CheckpointManager(backup_dir, keep=keep)
         self.keep = keep
         self.restored_step: int | None = None
+        self.resumed_from_replicas: int | None = None  # set when a backup of another count resumed
 
     # -- restore ---------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -206,9 +214,27 @@ class BackupAndRestore(Callback):
         }
 
     def _check_compatible(self, state: dict[str, Any], step: int) -> None:
-        """Refuse, listing every difference, a backup made for another model, optimizer or strategy."""
+        """Refuse, listing every difference, a backup made for another model, optimizer or strategy.
+
+        Another replica count is no difference where the strategy resumes at any count
+        (:meth:`~spread.strategies.Strategy.replica_count_change_refusal`); otherwise its reason is
+        in the list."""
         trainer = self.trainer
-        problems = field_mismatches(state.get("config", {}), self._config())
+        saved_config = state.get("config", {})
+        expected = self._config()
+        problems = field_mismatches(saved_config, expected)
+        saved_replicas = saved_config.get("num_replicas_in_sync")
+        if saved_config.get("strategy") == expected["strategy"] and saved_replicas not in (
+            None,
+            expected["num_replicas_in_sync"],
+        ):  # the same strategy at another replica count: its own call
+            refusal = trainer.strategy.replica_count_change_refusal(int(saved_replicas))
+            replicas_line = next(p for p in problems if p.startswith("num_replicas_in_sync:"))
+            if refusal is None:
+                problems.remove(replicas_line)
+                self.resumed_from_replicas = int(saved_replicas)
+            else:
+                problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
         problems += tensor_mismatches(state["model"], trainer.model.state_dict())
         problems += optimizer_mismatches(state["optimizer"], trainer.optimizer)
         where = self.manager.directory / f"ckpt-{step:010d}"
@@ -310,7 +336,11 @@ class BackupAndRestore(Callback):
 def _set_rng(rng: dict[str, Any], row: int) -> None:
     """Restore torch's (row ``row`` of the saved states), Python's and NumPy's RNG states."""
     torch_states = rng["torch"]
-    torch.set_rng_state(torch_states[min(row, len(torch_states) - 1)].clone())
+    if row < len(torch_states):
+        torch.set_rng_state(torch_states[row].clone())
+    else:  # a rank the backup did not have (resumed at more replicas): its own stream, derived
+        generator = torch.Generator().set_state(torch_states[row % len(torch_states)].clone())
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)) + row)
     version, internal, gauss = rng["python"]
     random.setstate((version, tuple(internal), gauss))
     np_state = _numpy_state()
