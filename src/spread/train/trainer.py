@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.data import DistributedDataset
 from spread.data.batches import Batch, as_batch
 from spread.errors import NonFiniteLossError
 from spread.memory.accumulation import check_accumulation_steps, micro_batches
@@ -255,6 +256,32 @@ class Trainer:
         self.stop_training = False
         self.train_dataset = train
         self.resume_point = None
+        try:
+            return self._fit_epochs(
+                cbs,
+                train,
+                epochs=epochs,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                validation_data=validation_data,
+                validation_batch_size=validation_batch_size or global_batch_size,
+            )
+        finally:
+            cbs.call("on_fit_exit")
+            self.active_callbacks = []
+
+    def _fit_epochs(
+        self,
+        cbs: CallbackList,
+        train: DistributedDataset,
+        *,
+        epochs: int,
+        initial_epoch: int,
+        steps_per_epoch: int | None,
+        validation_data: Any,
+        validation_batch_size: int,
+    ) -> History:
+        """``fit``'s loop over epochs and steps (``fit`` prepares and cleans up around it)."""
         cbs.call("on_train_begin", {})
         resume, self.resume_point = self.resume_point, None
         logs: dict[str, float] = {}
@@ -291,7 +318,7 @@ class Trainer:
             )
             logs = {**sums.results(), **self._epoch_norm_logs(), **self._lr_logs()}
             if has_validation:
-                val_logs = self._evaluate(validation_data, validation_batch_size or global_batch_size, None)
+                val_logs = self._evaluate(validation_data, validation_batch_size, None)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             if self.lr_schedule is not None:
                 self.lr_schedule.after_epoch(logs, has_validation)
@@ -299,7 +326,6 @@ class Trainer:
             if self.stop_training:
                 break
         cbs.call("on_train_end", logs)
-        self.active_callbacks = []
         return self.history
 
     def _train_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,6 +59,7 @@ from spread.checkpoint.compat import field_mismatches, optimizer_mismatches, rai
 from spread.errors import SpreadError
 from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
+from spread.train.preemption import PreemptionWatch, TrainingPreempted
 
 
 class BackupAndRestore(Callback):
@@ -68,10 +70,17 @@ class BackupAndRestore(Callback):
         save_freq: ``"epoch"`` or a positive number of optimizer steps between backups.
         delete_checkpoint: remove ``backup_dir`` when training finishes normally.
         keep: how many backups to keep (older ones are deleted after each save).
+        save_on_preemption: on SIGTERM, back up at the next step boundary and exit with code 143
+            (:mod:`spread.train.preemption`; not under parameter servers, whose tasks step alone).
     """
 
     def __init__(
-        self, backup_dir: str, save_freq: str | int = "epoch", delete_checkpoint: bool = True, keep: int = 2
+        self,
+        backup_dir: str,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        keep: int = 2,
+        save_on_preemption: bool = True,
     ) -> None:
         super().__init__()
         if save_freq != "epoch" and (
@@ -83,6 +92,8 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self.manager = CheckpointManager(backup_dir, keep=keep)
         self.keep = keep
+        self.save_on_preemption = save_on_preemption
+        self.preemption = PreemptionWatch()
         self.restored_step: int | None = None
         self.resumed_from_replicas: int | None = None  # set when a backup of another count resumed
 
@@ -90,6 +101,8 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         trainer = self.trainer
         strategy = trainer.strategy
+        if self.save_on_preemption and not strategy.restores_on_chief_only:
+            self.preemption.start()
         if strategy.restores_on_chief_only and not trainer.is_chief:
             self._resume_after_the_chief()
             return
@@ -242,8 +255,25 @@ class BackupAndRestore(Callback):
 
     # -- back up ---------------------------------------------------------------------------------
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
-        if isinstance(self.save_freq, int) and self.trainer.global_step % self.save_freq == 0:
+        saved = isinstance(self.save_freq, int) and self.trainer.global_step % self.save_freq == 0
+        if saved:
             self._save()
+        if self.preemption.installed and self._preempted_anywhere():
+            if not saved:
+                self._save()
+            self.preemption.acknowledge()
+            preempted = TrainingPreempted(self.trainer.global_step, self.backup_dir)
+            if self.trainer.is_chief:  # SystemExit prints nothing: say what happened, once
+                print(f"spread: {preempted}", file=sys.stderr, flush=True)
+            raise preempted
+
+    def _preempted_anywhere(self) -> bool:
+        """Whether any rank got SIGTERM (collective: every rank stops at the same step)."""
+        flag = torch.tensor([1.0 if self.preemption.requested else 0.0])
+        return bool(self.trainer.strategy.gather_from_every_rank(flag).any())
+
+    def on_fit_exit(self) -> None:
+        self.preemption.stop()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
