@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo, split_sizes
 from spread.values import PerReplica
+
+
+class _Channel:
+    """A DataChannel over threads: the one collective a test needs (the other is not called)."""
+
+    def __init__(self, collective) -> None:
+        self.sum_over_processes = self.broadcast_from_first_process = collective
 
 
 def _ids(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,3 +172,98 @@ def test_a_dataloader_gives_its_dataset_and_refuses_what_would_be_ignored():
         DistributedDataset(
             DataLoader(ds, batch_size=4, sampler=WeightedRandomSampler([1.0] * 20, 20)), 4, layout
         )
+
+
+class _Files(IterableDataset):
+    """A stream of files, each a run of sample ids; ``shard`` keeps every ``n``-th file, as
+    file-sharded input does (tf.data's FILE policy), so shards differ in size."""
+
+    def __init__(self, files: list[range]) -> None:
+        self.files = files
+
+    def shard(self, num_shards: int, index: int) -> _Files:
+        return _Files(self.files[index::num_shards])
+
+    def __iter__(self):
+        for file in self.files:
+            for i in file:
+                yield torch.tensor(i)
+
+
+class _MapFiles(Dataset):
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def shard(self, num_shards: int, index: int) -> _MapFiles:
+        return _MapFiles([i for i in self.ids if (i // 10) % num_shards == index])
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return torch.tensor(self.ids[i])
+
+
+def _run_processes(make_dataset, processes: int, gbs: int, epochs: int = 1):
+    """Each process's (batches, step infos, len) with a threaded sum standing in for the all-reduce."""
+    barrier = threading.Barrier(processes)
+    slots: list[torch.Tensor | None] = [None] * processes
+    results: list = [None] * processes
+    errors: list[BaseException] = []
+
+    def run(p: int) -> None:
+        def exchange(counts: torch.Tensor) -> torch.Tensor:
+            slots[p] = counts.clone()
+            barrier.wait(timeout=10)
+            total = torch.stack([s for s in slots if s is not None]).sum(0)
+            barrier.wait(timeout=10)
+            return total
+
+        try:
+            infos: list[StepInfo] = []
+            layout = ReplicaLayout(processes, p, 1, process_index=p, num_processes=processes)
+            ds = DistributedDataset(
+                make_dataset(), gbs, layout, on_step=infos.append, channel=_Channel(exchange), shuffle=False
+            )
+            length = len(ds) if hasattr(ds.dataset, "__len__") else None
+            batches = [b.tolist() for _ in range(epochs) for b in ds]
+            results[p] = (batches, infos, length)
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_uneven_file_shards_end_the_epoch_together_with_every_sample_once():
+    # Files of 5, 7, 3, 9 samples; process 0 gets files 0 and 2 (8 samples), process 1 files 1, 3 (16).
+    starts = [0, 5, 12, 15]
+    files = [range(s, s + n) for s, n in zip(starts, [5, 7, 3, 9], strict=True)]
+    (b0, i0, _), (b1, i1, _) = _run_processes(lambda: _Files(files), 2, gbs=6, epochs=2)
+    assert len(b0) == len(b1) == 2 * 6  # 16 samples at 3 per step: 6 steps per epoch, on both
+    assert [len(b) for b in b0[:6]] == [3, 3, 2, 0, 0, 0]  # ran out: empty batches, weighted zero
+    seen = sorted(i for b in b0[:6] + b1[:6] for i in b)
+    assert seen == list(range(24))  # every sample once per epoch, none counted twice
+    assert [info.global_size for info in i0] == [info.global_size for info in i1]
+    assert [info.global_size for info in i0[:6]] == [6, 6, 5, 3, 3, 1]  # exact, not sizes x 2
+
+
+def test_uneven_map_style_shards_agree_on_the_length():
+    ids = list(range(35))  # tens 0 and 2 -> process 0 (20 samples), tens 1 and 3 -> process 1 (15)
+    (b0, _, n0), (b1, _, n1) = _run_processes(lambda: _MapFiles(ids), 2, gbs=4)
+    assert n0 == n1 == 10 == len(b0) == len(b1)
+    assert sorted(i for b in b0 + b1 for i in b) == ids
+    assert [len(b) for b in b1] == [2] * 7 + [1, 0, 0]
+
+
+def test_a_process_whose_shard_is_empty_gets_a_clear_error():
+    files = [range(0, 4), range(4, 4)]
+    with pytest.raises(ValueError, match="process 1 got no batch from its shard"):
+        _run_processes(lambda: _Files(files), 2, gbs=2)

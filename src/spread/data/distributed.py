@@ -7,9 +7,9 @@ those counts, which is what makes an uneven final batch give the same update as 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -25,9 +25,22 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
+from spread.data.dispatch import dispatched
 from spread.data.prefetch import WaitClock, prefetch
 from spread.data.sharding import ShardPolicy, epoch_order, global_batches, split_sizes
 from spread.values import stack_replicas
+
+
+class DataChannel(Protocol):
+    """How the processes that read data talk while reading (collectives, on the loop's thread)."""
+
+    def sum_over_processes(self, counts: torch.Tensor) -> torch.Tensor:
+        """The sum of a small int64 CPU tensor over the processes (returned on the CPU)."""
+        ...
+
+    def broadcast_from_first_process(self, tensors: list[torch.Tensor]) -> None:
+        """Make every process's CPU ``tensors`` equal to process 0's, in place."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +154,7 @@ class DistributedDataset:
         num_workers: int | None = None,
         prefetch: int = 2,
         on_step: Callable[[StepInfo], None] | None = None,
+        channel: DataChannel | None = None,
     ) -> None:
         if not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
@@ -159,6 +173,13 @@ class DistributedDataset:
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         self.devices = list(devices) if devices else [torch.device("cpu")] * layout.num_local_replicas
         self.on_step = on_step
+        # With a channel, processes reading their own shards (FILE and OFF policies) agree on every
+        # step: the exact global sample count, and an epoch that ends when the last shard does (a
+        # process whose shard ran out takes part with empty batches, weighted zero), as DDP's Join
+        # does; and a stream without shard() under the DATA policy is read by process 0 alone, its
+        # global batches broadcast (spread.data.dispatch): each sample read once, not once per process.
+        self.channel = channel if layout.num_processes > 1 else None
+        self._local_length: int | None = None
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative integer, got {prefetch!r}")
         self.prefetch = prefetch
@@ -200,9 +221,18 @@ class DistributedDataset:
             raise TypeError("the length of a distributed iterable dataset is unknown")
         if self.shard_policy is ShardPolicy.DATA:
             return global_batches(len(self.dataset), self.global_batch_size, self.drop_remainder)
-        local = self.dataset if self.shard_policy is ShardPolicy.OFF else self._file_shard()
-        per_replica = self.global_batch_size // self.layout.num_replicas
-        return global_batches(len(local), per_replica * self.layout.num_local_replicas, self.drop_remainder)
+        if self._local_length is None:
+            local = self.dataset if self.shard_policy is ShardPolicy.OFF else self._file_shard()
+            per_replica = self.global_batch_size // self.layout.num_replicas
+            length = global_batches(
+                len(local), per_replica * self.layout.num_local_replicas, self.drop_remainder
+            )
+            if self.channel is not None:  # the longest shard's (collective, computed once)
+                lengths = torch.zeros(self.layout.num_processes, dtype=torch.int64)
+                lengths[self.layout.process_index] = length
+                length = int(self.channel.sum_over_processes(lengths).max())
+            self._local_length = length
+        return self._local_length
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -215,18 +245,64 @@ class DistributedDataset:
         elif self._map_style:
             plan = self._local_plan(epoch, start)
             source = self._map_source(plan)
+        elif self.shard_policy is ShardPolicy.DATA and self.channel is not None:
+            source = None
         else:
             source = self._iterable_source(start)
-        ready = ((self._per_replica(batch, sizes), sizes, total) for batch, sizes, total in source)
+        steps: Iterator[tuple[Any, list[int], int]]
+        if source is None:  # dispatched: the broadcast runs on this (the loop's) thread
+            first = self.layout.process_index == 0
+            reader = prefetch(self._global_stream(start), self.prefetch, self.wait_clock) if first else None
+            assert self.channel is not None
+            steps = dispatched(reader, self.channel.broadcast_from_first_process, self._local_part)
+        else:
+            ready = ((self._per_replica(batch, sizes), sizes, total) for batch, sizes, total in source)
+            steps = prefetch(ready, self.prefetch, self.wait_clock)
+        if self.channel is not None and self.shard_policy is not ShardPolicy.DATA:
+            steps = self._joined(steps)
         try:
-            for batch, sizes, global_size in prefetch(ready, self.prefetch, self.wait_clock):
+            for batch, sizes, global_size in steps:
                 self._batch += 1
                 if self.on_step is not None:
                     self.on_step(StepInfo(tuple(sizes), global_size))
                 yield batch
         finally:  # finished or abandoned: the next iteration is the next epoch (as in tf.data)
+            if isinstance(steps, Generator):  # stop the reading thread behind it now
+                steps.close()
             self._epoch = epoch + 1
             self._batch = 0
+
+    def _joined(self, steps: Iterator[tuple[Any, list[int], int]]) -> Iterator[tuple[Any, list[int], int]]:
+        """This process's steps, agreed with the others': the global count of each step is summed,
+        and once this shard is done it yields empty batches until every shard is (one small
+        all-reduce per step)."""
+        try:
+            yield from self._join(steps)
+        finally:  # abandoned or failed: the reading thread behind ``steps`` must stop too
+            if isinstance(steps, Generator):
+                steps.close()
+
+    def _join(self, steps: Iterator[tuple[Any, list[int], int]]) -> Iterator[tuple[Any, list[int], int]]:
+        empty: Any = None
+        assert self.channel is not None
+        exchange = self.channel.sum_over_processes
+        for batch, sizes, _ in steps:
+            counts = exchange(torch.tensor([sum(sizes), 1], dtype=torch.int64))
+            if empty is None:
+                empty = pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, batch)
+            yield batch, sizes, int(counts[0])
+        zeros = [0] * self.layout.num_local_replicas
+        while True:
+            counts = exchange(torch.tensor([0, 0], dtype=torch.int64))
+            if int(counts[1]) == 0:  # every shard is done: the epoch ends on every process together
+                return
+            if empty is None:
+                raise ValueError(
+                    f"process {self.layout.process_index} got no batch from its shard this epoch while "
+                    f"others did, so it cannot form an empty batch of the same structure to take part "
+                    f"with; give every process at least one sample (or use shard_policy='data')"
+                )
+            yield empty, zeros, int(counts[0])
 
     def _data_plan(self, epoch: int, start: int) -> list[tuple[list[int], list[int], int]]:
         n, gbs, lay = len(self.dataset), self.global_batch_size, self.layout
@@ -289,6 +365,30 @@ class DistributedDataset:
             else (self.collate_fn([self.dataset[0]]))
         )
         return pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+    def _global_stream(self, start: int) -> Iterator[tuple[Any, int]]:
+        """Process 0 of a dispatched stream: each global batch, collated whole, with its count."""
+        buffer: list[Any] = []
+        index = 0
+        for item in self.dataset:
+            buffer.append(item)
+            if len(buffer) == self.global_batch_size:
+                if index >= start:
+                    yield self.collate_fn(buffer), len(buffer)
+                index += 1
+                buffer = []
+        if buffer and not self.drop_remainder and index >= start:
+            yield self.collate_fn(buffer), len(buffer)
+
+    def _local_part(self, global_batch: Any, count: int) -> tuple[Any, list[int]]:
+        """This process's replicas' slice of a whole global batch (the same split as every path)."""
+        lay = self.layout
+        sizes = split_sizes(count, lay.num_replicas)
+        lo = sum(sizes[: lay.first_local_replica])
+        local_sizes = sizes[lay.first_local_replica : lay.first_local_replica + lay.num_local_replicas]
+        hi = lo + sum(local_sizes)
+        local = pytree.tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, global_batch)
+        return self._per_replica(local, local_sizes), local_sizes
 
     def _iterable_source(self, start: int) -> Iterator[tuple[Any, list[int], int]]:
         lay, gbs = self.layout, self.global_batch_size

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
+from spread.data import DataChannel, DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.context import (
@@ -305,7 +305,14 @@ class Strategy(abc.ABC):
             num_workers=num_workers,
             prefetch=prefetch,
             on_step=self._set_step_info,
+            channel=self._data_channel(),
         )
+
+    def _data_channel(self) -> DataChannel | None:
+        """How the processes reading data agree on steps and pass a stream on (see
+        :class:`~spread.data.distributed.DataChannel`). Default ``None``: one process, or processes
+        that read independently."""
+        return None
 
     def _set_step_info(self, info: StepInfo) -> None:
         self._step_info = info

@@ -33,7 +33,7 @@ from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_alg
 from spread.comm.bucketing import COMPRESSIONS
 from spread.comm.buffers import BufferAverager
 from spread.comm.ops import destroy_group
-from spread.data import ReplicaLayout, StepInfo
+from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
 from spread.strategies.base import Strategy, one_replica_tensor
 from spread.strategies.batchnorm import BatchNormReplicas
@@ -153,6 +153,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     def is_chief(self) -> bool:
         return self.collectives.rank == 0
 
+    def _data_channel(self) -> DataChannel:
+        return CollectivesDataChannel(self.collectives, self._device)
+
     @property
     def _layout(self) -> ReplicaLayout:
         world, rank = self.collectives.world_size, self.collectives.rank
@@ -240,3 +243,22 @@ def _signature(tensors: list[torch.Tensor]) -> list[int]:
     for t in tensors:
         digest.update(f"{tuple(t.shape)}:{t.dtype};".encode())
     return [len(tensors), sum(t.numel() for t in tensors), int.from_bytes(digest.digest()[:7], "big")]
+
+
+class CollectivesDataChannel:
+    """:class:`~spread.data.DataChannel` over the job's collectives (tensors moved to the collective's
+    device and back: NCCL needs them on the GPU)."""
+
+    def __init__(self, collectives: Collectives, device: torch.device) -> None:
+        self.collectives = collectives
+        self.device = device
+
+    def sum_over_processes(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce(counts.to(self.device), name="data_step_counts").cpu()
+
+    def broadcast_from_first_process(self, tensors: list[torch.Tensor]) -> None:
+        on_device = [t.to(self.device) for t in tensors]
+        self.collectives.broadcast_tensors(on_device, src=0, name="data_dispatch")
+        for t, sent in zip(tensors, on_device, strict=True):
+            if sent is not t:
+                t.copy_(sent)
