@@ -394,6 +394,12 @@ class Strategy(abc.ABC):
         cache of variables held elsewhere."""
         return True
 
+    def refresh_weights(self) -> None:
+        """Make this process's model hold the current value of every variable (before evaluating
+        what training produced elsewhere). Default: nothing, the model is current
+        (:attr:`holds_current_weights`). ParameterServer: pull from the servers."""
+        return None
+
     @property
     def state_is_collective(self) -> bool:
         """Whether :meth:`model_state_dict` and :meth:`optimizer_state_dict` are collectives that

@@ -213,6 +213,9 @@ class ParameterServerStrategy(Strategy):
         recent batches, and async tasks see each other's updates only when they pull."""
         return False
 
+    def refresh_weights(self) -> None:
+        self.pull()
+
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager
     def scope(self) -> Iterator[Strategy]:

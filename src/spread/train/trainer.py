@@ -23,12 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from spread.data import DistributedDataset
+from spread.data import DistributedDataset, ReplicaLayout
 from spread.data.batches import Batch, as_batch
 from spread.errors import NonFiniteLossError
 from spread.memory.accumulation import check_accumulation_steps, micro_batches
+from spread.ps import ClusterCoordinator
 from spread.strategies import Strategy, make_strategy
 from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
+from spread.train.coordinated import check_coordinated, fit_coordinated
 from spread.train.lr_schedule import LRSchedule, SchedulerArg
 from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 from spread.train.outputs import loss_of, prediction_of
@@ -96,6 +98,7 @@ class Trainer:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         precision: str = "32",
+        coordinator: ClusterCoordinator | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
@@ -112,6 +115,9 @@ class Trainer:
                 "accumulation_steps > 1 does not combine with sync_batchnorm=True: statistics would be "
                 "exchanged per micro-batch, and replicas with fewer samples run fewer micro-batches"
             )
+        self.coordinator = coordinator
+        if coordinator is not None:
+            check_coordinated(self)
         self.clip_grad_norm = _check_clip("clip_grad_norm", clip_grad_norm)
         self.clip_grad_value = _check_clip("clip_grad_value", clip_grad_value)
         precision = check_precision(precision)
@@ -236,6 +242,19 @@ class Trainer:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if not 0 <= initial_epoch < epochs:
             raise ValueError(f"initial_epoch must be in [0, epochs), got {initial_epoch!r}")
+        if self.coordinator is not None:
+            return self._fit_coordinated(
+                train_data,
+                epochs=epochs,
+                global_batch_size=global_batch_size,
+                steps_per_epoch=steps_per_epoch,
+                seed=seed,
+                shuffle=shuffle,
+                validation_data=validation_data,
+                validation_batch_size=validation_batch_size or global_batch_size,
+                callbacks=callbacks,
+                verbose=verbose,
+            )
         train = self.strategy.distribute_dataset(
             train_data, global_batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
         )
@@ -269,6 +288,64 @@ class Trainer:
         finally:
             cbs.call("on_fit_exit")
             self.active_callbacks = []
+
+    def _fit_coordinated(
+        self,
+        train_data: Any,
+        *,
+        epochs: int,
+        global_batch_size: int,
+        steps_per_epoch: int | None,
+        seed: int,
+        shuffle: bool,
+        validation_data: Any,
+        validation_batch_size: int,
+        callbacks: Sequence[Callback] | None,
+        verbose: int,
+    ) -> History:
+        """``fit`` with a coordinator (:mod:`spread.train.coordinated`): the chief drives, workers serve."""
+        assert self.coordinator is not None
+        self.params = {
+            "epochs": epochs,
+            "steps": steps_per_epoch,
+            "global_batch_size": global_batch_size,
+            "verbose": verbose,
+        }
+        defaults: list[Callback] = [self.history]
+        if verbose and self.strategy.is_chief:
+            defaults.append(ProgressBar(verbose=verbose))
+        cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
+        self.active_callbacks = list(cbs)
+        self.stop_training = False
+        try:
+            return fit_coordinated(
+                self,
+                self.coordinator,
+                train_data,
+                cbs=cbs,
+                epochs=epochs,
+                global_batch_size=global_batch_size,
+                steps_per_epoch=steps_per_epoch,
+                seed=seed,
+                shuffle=shuffle,
+                validation_data=validation_data,
+                validation_batch_size=validation_batch_size,
+            )
+        finally:
+            cbs.call("on_fit_exit")
+            self.active_callbacks = []
+
+    def train_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One optimizer step on ``batch`` as ``fit`` takes it (what a coordinated fit's workers run)."""
+        return self._train_step(batch)
+
+    def lr_logs(self) -> dict[str, float]:
+        """The learning rate for the logs, when a schedule or a callback sets it."""
+        return self._lr_logs()
+
+    def evaluate_during_fit(self, data: Any, global_batch_size: int) -> dict[str, float]:
+        """Validation inside ``fit`` (no test callbacks): :meth:`evaluate`'s numbers."""
+        return self._evaluate(data, global_batch_size, None)
 
     def _fit_epochs(
         self,
@@ -406,7 +483,11 @@ class Trainer:
             self.lr_schedule.replay(global_step, epoch)
 
     def _evaluate(self, data: Any, global_batch_size: int, cbs: CallbackList | None) -> dict[str, float]:
-        dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
+        if self.coordinator is None:
+            dataset = self.strategy.distribute_dataset(data, global_batch_size, shuffle=False)
+        else:  # the chief alone evaluates, on the whole data and the servers' current variables
+            self.strategy.refresh_weights()
+            dataset = DistributedDataset(data, global_batch_size, ReplicaLayout(1, 0, 1), shuffle=False)
         was_training = self.model.training
         self.model.eval()
         weights = self._evaluation_weights(cbs or [])
