@@ -27,7 +27,8 @@ What follows from that hook:
 * the pieces follow ``DDPOptimizer``'s rule: the first piece closes at about 1 MB of parameters
   (DDP's small first bucket), each later one at the first parameter that reaches the cap; a spread
   bucket ends *before* the parameter that would overflow it, so a bucket may wait for the end of
-  the next piece. Finer pieces would align better and fuse less; the cap is the reducer's own;
+  the next piece. Finer pieces would align better and fuse less; the cap is the reducer's own,
+  raised to 1 MB when smaller (``DDPOptimizer`` refuses a cap below its first piece);
 * the slot is process-global: it suits one replica per process (MultiWorkerMirrored, a pipeline's
   stage replicas). Thread replicas (Mirrored) share parameters and accumulate in place without a
   bucketed exchange, so they need no split.
