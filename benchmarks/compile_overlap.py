@@ -96,6 +96,9 @@ def _step_worker(name: str, cap_mb: float, reps: int, steps: int, quick: bool) -
         with strategy.scope():
             model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name, quick=quick)
             optimizer = make_optimizer(model.parameters())
+        # Dynamo's guards do not tell two instances of one class apart: without a class of its own,
+        # the second compiled model would reuse the first one's graph (cut or not).
+        model.__class__ = type(f"{type(model).__name__}_{mode}", (type(model),), {})
         run = model if mode == "eager" else torch.compile(model)
         x, y = make_batch(global_batch // strategy.num_replicas_in_sync)
 

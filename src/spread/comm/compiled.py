@@ -21,7 +21,9 @@ What follows from that hook:
 
 * it acts when dynamo *compiles* a frame, which is at the first call of a compiled model (and at each
   recompilation). A compiled model first called with gradients outside ``strategy.run`` keeps the
-  unsplit graph compiled there (it still trains correctly; it only overlaps nothing);
+  unsplit graph compiled there (it still trains correctly; it only overlaps nothing). So does one
+  whose class was compiled earlier in the process outside the cut: dynamo's guards do not tell two
+  instances of one class apart and reuse that graph;
 * ``torch._dynamo.config.optimize_ddp`` must keep its default (``True``, ``"ddp_optimizer"``); the
   user's ``False`` is honoured (no split). Any ``torch.compile`` backend is kept for each piece;
 * the pieces follow ``DDPOptimizer``'s rule: the first piece closes at about 1 MB of parameters
