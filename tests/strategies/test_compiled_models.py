@@ -147,22 +147,22 @@ def _compiled_nodes(strategy, model_seed: int) -> int:
 
 def _mwms_worker() -> dict:
     rank = int(os.environ["RANK"])
-    strategy = spread.MultiWorkerMirroredStrategy()
+    owner = spread.MultiWorkerMirroredStrategy()  # owns the process group; closed last
     try:
         out = {
-            "loop": custom_loop(strategy, init_seed=rank * 101),
-            "fit": fit(strategy, init_seed=rank * 101),
+            "loop": custom_loop(owner, init_seed=rank * 101),
+            "fit": fit(owner, init_seed=rank * 101),
         }
+        torch._dynamo.reset()  # the wide model's graphs compile afresh, inside the 1 MB strategy's run
+        cut = spread.MultiWorkerMirroredStrategy(bucket_cap_mb=1.0)
+        try:
+            out["nodes"] = _compiled_nodes(cut, rank * 101)
+            out["cut_loop"] = custom_loop(cut, init_seed=rank * 101, model_fn=_wide_model)
+        finally:
+            cut.close()
+        return out
     finally:
-        strategy.close()
-    torch._dynamo.reset()
-    cut = spread.MultiWorkerMirroredStrategy(bucket_cap_mb=1.0)
-    try:
-        out["nodes"] = _compiled_nodes(cut, rank * 101)
-        out["cut_loop"] = custom_loop(cut, init_seed=rank * 101, model_fn=_wide_model)
-    finally:
-        cut.close()
-    return out
+        owner.close()
 
 
 @pytest.mark.processes
