@@ -154,12 +154,21 @@ def _mwms_worker() -> dict:
             "fit": fit(owner, init_seed=rank * 101),
         }
         torch._dynamo.reset()  # the wide model's graphs compile afresh, inside the 1 MB strategy's run
-        cut = spread.MultiWorkerMirroredStrategy(bucket_cap_mb=1.0)
+        # gloo's own all-reduce runs while backward computes (shm's waits for wait(): no cut there)
+        cut = spread.MultiWorkerMirroredStrategy("native", bucket_cap_mb=1.0)
         try:
             out["nodes"] = _compiled_nodes(cut, rank * 101)
             out["cut_loop"] = custom_loop(cut, init_seed=rank * 101, model_fn=_wide_model)
         finally:
             cut.close()
+        # Where nothing can overlap, the graph stays whole (cutting would only cost fusion).
+        for name, (communication, cap_mb) in {"one_bucket": ("native", 25.0), "shm": ("shm", 1.0)}.items():
+            torch._dynamo.reset()
+            other = spread.MultiWorkerMirroredStrategy(communication, bucket_cap_mb=cap_mb)
+            try:
+                out[f"nodes_{name}"] = _compiled_nodes(other, rank * 101)
+            finally:
+                other.close()
         return out
     finally:
         owner.close()
@@ -173,6 +182,8 @@ def test_multi_worker_mirrored_compiled_equals_one_device_with_the_graph_cut_at_
         assert diff <= TOLERANCE, f"rank {rank}, custom loop: {diff:.2e}"
         _assert_fit_equal(got["fit"], reference["fit"], f"rank {rank}, fit")
         assert got["nodes"] >= 2, f"rank {rank}: the compiled graph was not cut ({got['nodes']} node)"
+        assert got["nodes_one_bucket"] == 1, f"rank {rank}: one bucket, yet the graph was cut"
+        assert got["nodes_shm"] == 1, f"rank {rank}: shm overlaps nothing, yet the graph was cut"
         diff = max_relative_difference(got["cut_loop"], wide_reference)
         assert diff <= TOLERANCE, f"rank {rank}, cut graph: {diff:.2e}"
 

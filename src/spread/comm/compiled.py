@@ -15,7 +15,10 @@ still compute. torch 2.13 has no public switch for modules that are not DDP: dyn
 set, reading only the object's ``bucket_bytes_cap`` (DDP sets it around its forward; torch's
 composable ``replicate`` sets it from forward hooks; ``torch/_dynamo/convert_frame.py``).
 :func:`bucket_graph_breaks` sets it, around a replica step, to a small object carrying spread's
-bucket cap; the strategy enters it in ``run``.
+bucket cap; ``MultiWorkerMirroredStrategy.run`` enters it where the reducer can overlap backward at
+all (``GradientReducer.overlaps_backward``: more than one bucket, and an algorithm whose asynchronous
+all-reduce runs while backward computes; ``shm`` defers it to ``wait()``). Elsewhere a cut only costs
+fusion.
 
 What follows from that hook:
 

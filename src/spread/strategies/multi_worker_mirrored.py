@@ -15,7 +15,8 @@ buffers are then equal on every rank already and are left out of the averaging.
 
 Compiled models (``torch.compile``, ``module.compile()``): ``run`` cuts graphs compiled inside it at
 the reducer's bucket boundaries (:mod:`spread.comm.compiled`), so the all-reduce overlaps backward as
-it does for an eager model.
+it does for an eager model; not where nothing could overlap (one bucket, or ``shm``, whose
+asynchronous calls run at ``wait()``).
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if self._reducer is not None:
             self._reducer.grad_scale = weight
         self._buffer_weight = weight
-        if self._reducer is None:
+        if self._reducer is None or not self._reducer.overlaps_backward:
             return self._run_as_replica(fn, args, kwargs, self.rank, weight)
         # A model compiled here (at its first call) is cut at bucket boundaries, so the exchange of
         # its last layers' gradients overlaps the rest of its backward (spread.comm.compiled).
