@@ -1,7 +1,7 @@
 """When gradients become ready under ``torch.compile``, and what that does to a 2-process MWMS step.
 
     python benchmarks/compile_overlap.py [--workloads W1,W2] [--bucket-cap-mb 25,4] [--reps 5]
-        [--steps 3] [--quick] [--no-step-times]
+        [--steps 3] [--communication native] [--quick] [--no-step-times]
 
 Part 1 (this process): for each workload (``benchmarks/workloads.py``), the fraction of ``backward()``
 elapsed when the first parameter's gradient is ready and when the reducer's first bucket is complete
@@ -14,7 +14,10 @@ Part 2 (two processes, ``spread.testing.run_ranks``): ``MultiWorkerMirroredStrat
 (``zero_grad``, ``run`` of forward and backward, ``optimizer.step``) for the same three, one strategy
 (so one reducer) per model, ``compiled`` with ``torch._dynamo.config.optimize_ddp = False`` (the
 switch spread's cut honours), measured in interleaved rounds (this VM drifts); the ratio to eager is
-taken per round, then the median.
+taken per round, then the median. ``--communication`` (default ``native``: gloo's all-reduce runs
+while backward computes) picks the algorithm; the strategy cuts only where the exchange can overlap
+(several buckets, not ``shm``), so ``cut`` equals ``compiled`` elsewhere (the "bwd nodes" column says
+which happened).
 """
 
 from __future__ import annotations
@@ -89,10 +92,10 @@ def readiness(name: str, mode: str, cap_mb: float, reps: int, quick: bool) -> di
     }
 
 
-def _step_worker(name: str, cap_mb: float, reps: int, steps: int, quick: bool) -> dict:
+def _step_worker(name: str, cap_mb: float, communication: str, reps: int, steps: int, quick: bool) -> dict:
     strategies, runs = {}, {}
     for mode in MODES:  # one strategy (one reducer) per model, so no bucket waits for another model
-        strategy = spread.MultiWorkerMirroredStrategy(bucket_cap_mb=cap_mb)
+        strategy = spread.MultiWorkerMirroredStrategy(communication, bucket_cap_mb=cap_mb)
         with strategy.scope():
             model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name, quick=quick)
             optimizer = make_optimizer(model.parameters())
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--bucket-cap-mb", default="25,4")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--communication", default="native", help="MultiWorkerMirroredStrategy's algorithm")
     ap.add_argument("--quick", action="store_true", help="tiny models: a smoke test, meaningless numbers")
     ap.add_argument("--no-step-times", action="store_true", help="part 1 only")
     a = ap.parse_args()
@@ -162,11 +166,13 @@ def main() -> None:
                 )
     if a.no_step_times:
         return
+    print(f"\nMultiWorkerMirroredStrategy({a.communication!r}), 2 processes")
     print("\n| workload | bucket cap MB | mode | bwd nodes | step ms (median) | vs eager (paired median) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in names:
         for cap in caps:
-            per_rank = run_ranks(_step_worker, 2, args=(name, cap, a.reps, a.steps, a.quick), timeout=1800)
+            job = (name, cap, a.communication, a.reps, a.steps, a.quick)
+            per_rank = run_ranks(_step_worker, 2, args=job, timeout=1800)
             got = per_rank[0]
             times = got["times"]
             for mode in MODES:

@@ -3,8 +3,8 @@
 Why this exists: AOTAutograd turns a compiled graph's backward into one autograd node, so every
 parameter of the graph gets its gradient when that node returns, at the very end of backward. The
 reducer's per-parameter hooks then all fire together and no bucket's all-reduce overlaps backward
-compute (measured on an MLP: eager's first gradient is ready 5-36% into backward, a compiled
-model's at 99%; ``docs/results/2026-11-25-compile-overlap.md``).
+compute (measured on W1/W2: eager's first gradient is ready 2-30% into backward, a compiled
+model's at 100%; ``docs/results/2026-11-25-compile-overlap.md``).
 
 DDP solves this with dynamo's ``DDPOptimizer`` (``torch._dynamo.backends.distributed``): it walks the
 captured graph backwards (the order backward produces gradients), cuts it wherever the parameter
