@@ -98,9 +98,10 @@ def test_one_device_compiled_equals_eager(reference):
     "make",
     [
         lambda: spread.MirroredStrategy(num_replicas=3, intra_op_threads=1),
+        lambda: spread.MirroredStrategy(num_replicas=2, intra_op_threads=1, cross_device_ops="reduce_to_one"),
         lambda: spread.CentralStorageStrategy(num_replicas=2, intra_op_threads=1),
     ],
-    ids=["mirrored", "central_storage"],
+    ids=["mirrored", "mirrored_reduce_to_one", "central_storage"],
 )
 def test_thread_replicas_run_one_compiled_model_and_equal_one_device(reference, make):
     # The replicas' threads call the one compiled model at once; dynamo compiles under its own lock.
