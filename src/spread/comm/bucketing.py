@@ -153,6 +153,14 @@ class GradientReducer:
                     bucket.wire = wire[offset : offset + n]
                 offset += size
 
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether an exchange can overlap backward at all: more than one bucket (one bucket starts
+        when the last gradient arrives) and an algorithm that runs while backward computes. Where it
+        cannot, cutting a compiled graph at bucket boundaries would cost fusion for nothing."""
+        overlapping = self.algorithm is None or self.algorithm.overlaps_caller
+        return len(self.buckets) > 1 and overlapping
+
     # -- hooks -----------------------------------------------------------------------------------
     def _make_pre_hook(self, p: nn.Parameter):
         key = id(p)

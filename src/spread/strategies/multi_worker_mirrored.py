@@ -12,6 +12,11 @@ all-reduce per step. With ``sync_batchnorm=True`` BatchNorm layers exchange thei
 over a process group of their own (so the exchange, which runs inside backward, never interleaves
 with the gradient buckets' all-reduces on the main group) and normalise with the global batch's; their
 buffers are then equal on every rank already and are left out of the averaging.
+
+Compiled models (``torch.compile``, ``module.compile()``): ``run`` cuts graphs compiled inside it at
+the reducer's bucket boundaries (:mod:`spread.comm.compiled`), so the all-reduce overlaps backward as
+it does for an eager model; not where nothing could overlap (one bucket, or ``shm``, whose
+asynchronous calls run at ``wait()``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_algorithm
 from spread.comm.bucketing import COMPRESSIONS
 from spread.comm.buffers import BufferAverager
+from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.ops import destroy_group
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
@@ -216,7 +222,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         if self._reducer is not None:
             self._reducer.grad_scale = weight
         self._buffer_weight = weight
-        return self._run_as_replica(fn, args, kwargs, self.rank, weight)
+        if self._reducer is None or not self._reducer.overlaps_backward:
+            return self._run_as_replica(fn, args, kwargs, self.rank, weight)
+        # A model compiled here (at its first call) is cut at bucket boundaries, so the exchange of
+        # its last layers' gradients overlaps the rest of its backward (spread.comm.compiled).
+        with bucket_graph_breaks(int(self.bucket_cap_mb * 2**20)):
+            return self._run_as_replica(fn, args, kwargs, self.rank, weight)
 
     def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
         tensor = one_replica_tensor(value, self.device).detach().clone()

@@ -57,6 +57,7 @@ from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.buffers import BufferAverager
+from spread.comm.compiled import compiled_kind
 from spread.comm.ops import classify_error, destroy_group
 from spread.data import ReplicaLayout
 from spread.data.batches import inputs_and_targets
@@ -270,7 +271,8 @@ class PipelineStrategy(Strategy):
         """Adopt ``model`` (an ``nn.Sequential`` or a list of modules) as the one pipelined model.
 
         Local: the split and the broadcast of rank 0's weights happen at the model's first training
-        step or forward, on every rank together.
+        step or forward, on every rank together. A model compiled as a whole is refused (its one graph
+        cannot be cut into stages); layers compiled in place (``layer.compile()``) are fine.
         """
         if self._model is model:
             return model
@@ -278,6 +280,7 @@ class PipelineStrategy(Strategy):
             raise SpreadError(
                 "a PipelineStrategy pipelines one model; create another strategy for a second one"
             )
+        _refuse_compiled_whole(model)
         as_layers(model)  # refuse anything that is not a sequence of layers, now
         model.to(self._device)
         self._model = model
@@ -603,6 +606,17 @@ def _release_groups(groups: list, collectives: list[Collectives]) -> None:
     for group in groups:
         destroy_group(group)
     groups.clear()
+
+
+def _refuse_compiled_whole(model: nn.Module) -> None:
+    kind = compiled_kind(model) if isinstance(model, nn.Module) else None
+    if kind is not None:
+        raise TypeError(
+            f"PipelineStrategy cannot partition a model compiled as a whole ({kind}): stages are cut "
+            "from its layers, and one compiled graph cannot be split over processes (each stage would "
+            "run its layers uncompiled). Pass the uncompiled nn.Sequential; to compile, compile its "
+            "layers in place before the strategy adopts it: `for layer in model: layer.compile()`."
+        )
 
 
 def _check_args(

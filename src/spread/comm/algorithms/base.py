@@ -95,6 +95,10 @@ class AllReduceAlgorithm(ABC):
     """
 
     name: ClassVar[str] = "?"
+    #: whether :meth:`all_reduce_async` makes progress while the caller goes on computing (on a thread
+    #: or in the backend); ``False`` where it is deferred to ``wait()``. Read by the gradient reducer:
+    #: cutting a compiled model's graph into pieces only pays where the exchange can overlap them.
+    overlaps_caller: ClassVar[bool] = True
 
     def __init__(self, collectives: Collectives) -> None:
         self.collectives = collectives

@@ -214,6 +214,7 @@ class ShmAllReduce(AllReduceAlgorithm):
     """Shared-memory all-reduce for CPU buffers of ranks on one machine."""
 
     name = "shm"
+    overlaps_caller = False  # asynchronous calls are deferred to wait(), see the module docstring
 
     def __init__(
         self,
