@@ -70,8 +70,13 @@ def fit_gpt2(strategy, tie: bool = True) -> dict:
 
 
 def _gpt2_worker(schedule: str, tie: bool) -> dict:
+    schedule, _, extra = schedule.partition("+")
     strategy = spread.PipelineStrategy(
-        stages=2, microbatches=2, schedule=schedule, split_points=["transformer.h.2"]
+        stages=2,
+        microbatches=3 if extra else 2,  # 3: micro-batches of 3, 3 and 2 samples, two traced shapes
+        schedule=schedule,
+        split_points=["transformer.h.2"],
+        checkpoint_stages=extra == "checkpoint",
     )
     try:
         return fit_gpt2(strategy, tie)
@@ -79,7 +84,11 @@ def _gpt2_worker(schedule: str, tie: bool) -> dict:
         strategy.close()
 
 
-@pytest.mark.parametrize(("schedule", "tie"), [("1f1b", True), ("gpipe", False)], ids=["tied_1f1b", "untied_gpipe"])
+@pytest.mark.parametrize(
+    ("schedule", "tie"),
+    [("1f1b", True), ("gpipe", False), ("gpipe+checkpoint", True)],
+    ids=["tied_1f1b", "untied_gpipe", "tied_gpipe_checkpointed_uneven"],
+)
 @pytest.mark.processes
 def test_gpt2_split_by_module_name_equals_one_device(schedule, tie):
     from spread.testing import run_ranks

@@ -30,6 +30,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -154,25 +155,28 @@ def split_model(
     check_split_points(model, split_points)
     marked = [model.get_submodule(p) for p in split_points]
 
-    def before(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    calls = dict.fromkeys(split_points, 0)
+
+    def before(name: str, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
         pipe_split()
         return inner(*args, **kwargs)
 
     found: list[OutputStructure] = []
     tracee = _Tracee(model, call, found)
-    for module in marked:
-        wrap_forward(module, _MARK, before)
+    for name, module in zip(split_points, marked, strict=True):
+        wrap_forward(module, _MARK, partial(before, name))
     try:
         pipe = pipeline(tracee, (example,))
     finally:
         for module in marked:
             unwrap_forward(module, _MARK)
     expected = len(split_points) + 1
-    if pipe.num_stages != expected:
+    if pipe.num_stages != expected or any(n != 1 for n in calls.values()):
         raise ValueError(
             f"split_points {list(split_points)!r} cut {type(model).__name__}'s forward into "
-            f"{pipe.num_stages} stages, not {expected}: each split point must name a module that "
-            f"forward calls exactly once (not inside a loop over shared modules, not unused)"
+            f"{pipe.num_stages} stages, not {expected} (calls per split point: {calls}): each split "
+            f"point must name a module that forward calls exactly once"
         )
     rebuild = found[-1]
     return GraphSplit(_programs(pipe.split_gm, model, rebuild))
@@ -193,7 +197,9 @@ def _programs(root: fx.GraphModule, model: nn.Module, rebuild: OutputStructure) 
             return producer(node.args[0])  # type: ignore[arg-type]
         if node in stage_of:
             return stage_of[node]
-        raise ValueError(f"cannot pipeline: the split graph has an operation between stages ({node.format_node()})")
+        raise ValueError(
+            f"cannot pipeline: the split graph has an operation between stages ({node.format_node()})"
+        )
 
     def values(args: Any) -> list[fx.Node]:
         found: list[fx.Node] = []
@@ -218,7 +224,7 @@ def _programs(root: fx.GraphModule, model: nn.Module, rebuild: OutputStructure) 
         user_tensors = _bind_user_tensors(graph, model)
         getitems = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
         produces: dict[str, int | None] = (
-            {u.name: int(u.args[1]) for u in getitems}  # type: ignore[call-overload]
+            {u.name: int(u.args[1]) for u in getitems}
             if getitems and len(getitems) == len(call.users)
             else {call.name: None}
         )

@@ -44,6 +44,8 @@ class TracedStage(Protocol):
     def num_received(self, pipeline_input: Any) -> int:
         """How many tensors this stage receives per micro-batch of this input."""
         ...
+
+
 OnLoss = Callable[[int, torch.Tensor, Any, torch.Tensor], None]
 
 
@@ -129,9 +131,7 @@ class StageRunner:
         for a in actions:
             i = a.microbatch
             if a.op is Op.RECV_ACT:
-                parts = [
-                    self.link.recv_activation(i, keys[i], j) for j in range(self._parts(inputs, i))
-                ]
+                parts = [self.link.recv_activation(i, keys[i], j) for j in range(self._parts(inputs, i))]
                 wants_grad[i] = tuple(w for _, w in parts)
                 received[i] = tuple(data.requires_grad_(w) for data, w in parts)
                 received_count += 1

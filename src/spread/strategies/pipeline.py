@@ -1,4 +1,12 @@
-"""PipelineStrategy: split an ``nn.Sequential`` into stages, one process each, fed by micro-batches.
+"""PipelineStrategy: split a model into stages, one process each, fed by micro-batches.
+
+What is split: an ``nn.Sequential`` (or list of modules) at layer indices, balanced by measured time
+unless ``split_points`` says where; or any ``nn.Module`` at module paths
+(``split_points=["transformer.h.2"]``), traced with ``torch.export`` and cut before each named module
+(:mod:`spread.pipeline.graph_split`). A parameter several stages use (GPT-2's tied embedding and LM
+head) stays one parameter: its stages sum their gradients after each step. ``Trainer`` hands the
+``loss_fn`` the output's prediction (``logits``), as on one device; ``train_step`` hands it the raw
+model output.
 
 Topology: ``stages`` x ``replicas`` processes. Global rank ``r`` is stage ``r % stages`` of pipeline
 replica ``r // stages``; the ranks of one pipeline replica are contiguous. Every rank of a pipeline
@@ -22,7 +30,9 @@ How to train: ``Trainer.fit`` (it calls :meth:`PipelineStrategy.run_training_ste
         optimizer.step()
 
 Every rank builds the whole model (rank 0's weights win, as in the other strategies) but computes only
-its own stage; parameters of other stages get no gradient, so the optimizer leaves them alone.
+its own stage; parameters of other stages get no gradient, so the optimizer leaves them alone, and
+their values in this rank's copy go out of date: after a training step ``model.state_dict()`` raises
+until :meth:`gather_state_dict` (every rank) or ``load_state_dict`` makes the copy current.
 ``model(x)`` under ``torch.no_grad()`` runs the whole pipeline and returns the output on every rank
 (that is how ``Trainer.evaluate/predict`` work). Checkpoints: :meth:`gather_state_dict` brings every
 rank's copy of the model up to date and returns the full model's ``state_dict`` (original keys, loads
@@ -419,17 +429,17 @@ class PipelineStrategy(Strategy):
                     owners.setdefault(id(t), []).append(s)
                     params[id(t)] = t
         by_set: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for pid, stages in owners.items():
-            if len(stages) > 1:
-                by_set.setdefault(tuple(stages), []).append(params[pid])
-                if self.stage != stages[0]:
+        for pid, users in owners.items():
+            if len(users) > 1:
+                by_set.setdefault(tuple(users), []).append(params[pid])
+                if self.stage != users[0]:
                     self._norm_skips.add(pid)
         groups = []
-        for stages, shared in sorted(by_set.items()):
+        for sharing, shared in sorted(by_set.items()):
             for r in range(self.replicas):
-                group = dist.new_group([r * self.stages + s for s in stages])
+                group = dist.new_group([r * self.stages + s for s in sharing])
                 groups.append(group)
-                if r == self.replica and self.stage in stages:
+                if r == self.replica and self.stage in sharing:
                     self._tied.append((shared, Collectives(group, device=self._device)))
         if groups:
             self._resources.push(partial(_release_groups, groups, [c for _, c in self._tied]))
