@@ -86,6 +86,7 @@ from spread.pipeline import (
 )
 from spread.pipeline.affinity import CpuBinding, bind_local_cpus
 from spread.pipeline.graph_split import GraphStage, check_split_points
+from spread.pipeline.ownership import StaleStateGuard, TiedGradients, first_owned
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
 from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
@@ -210,11 +211,8 @@ class PipelineStrategy(Strategy):
         self._buffers: BufferAverager | None = None
         self._graph_stage: GraphStage | None = None
         self._stage_tensors: list[list[torch.Tensor]] = []  # per stage: the user's tensors it uses
-        self._tied: list[tuple[list[nn.Parameter], Collectives]] = []  # shared with other stages
-        self._norm_skips: set[int] = set()  # ids of tied parameters an earlier stage counts
-        self._stale = False  # other stages' tensors in this rank's model are out of date
-        self._gathering = False
-        self._hooks: list[Any] = []
+        self._tied: TiedGradients | None = None
+        self._state_guard: StaleStateGuard | None = None
 
     def _join(
         self, stages: int, replicas: int, init_timeout: float | None, collective_timeout: float | None
@@ -327,8 +325,9 @@ class PipelineStrategy(Strategy):
             self._partition_traced(sample)
         else:
             self._partition_layers(sample)
-        self._make_tied_groups()
-        self._guard_state_dict()
+        self._tied = TiedGradients(self._stage_tensors, self.stage, self.replica, self.replicas, self._device)
+        self._resources.push(self._tied.close)
+        self._state_guard = StaleStateGuard(self._model, self._stage_tensors, self.stage, self.rank)
 
     def _partition_layers(self, sample: torch.Tensor | None) -> None:
         assert self._model is not None
@@ -416,87 +415,24 @@ class PipelineStrategy(Strategy):
             buffers = list(self.stage_module.buffers())
             self._buffers = BufferAverager(buffers, self.replica_collectives) if buffers else None
 
-    def _make_tied_groups(self) -> None:
-        """A parameter several stages use stays one parameter: each of those stages holds it and adds
-        its gradient to it, and after each step the stages sum the gradients they hold (one
-        all-reduce per set of stages sharing parameters, as DeepSpeed's tied layers do), so every copy
-        takes the same optimizer step. Collective: every rank creates every group, in the same order."""
-        owners: dict[int, list[int]] = {}
-        params: dict[int, nn.Parameter] = {}
-        for s, tensors in enumerate(self._stage_tensors):
-            for t in tensors:
-                if isinstance(t, nn.Parameter):
-                    owners.setdefault(id(t), []).append(s)
-                    params[id(t)] = t
-        by_set: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for pid, users in owners.items():
-            if len(users) > 1:
-                by_set.setdefault(tuple(users), []).append(params[pid])
-                if self.stage != users[0]:
-                    self._norm_skips.add(pid)
-        groups = []
-        for sharing, shared in sorted(by_set.items()):
-            for r in range(self.replicas):
-                group = dist.new_group([r * self.stages + s for s in sharing])
-                groups.append(group)
-                if r == self.replica and self.stage in sharing:
-                    self._tied.append((shared, Collectives(group, device=self._device)))
-        if groups:
-            self._resources.push(partial(_release_groups, groups, [c for _, c in self._tied]))
-
-    def _sum_tied_grads(self) -> None:
-        for shared, collectives in self._tied:
-            for p in shared:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in shared])  # type: ignore[union-attr]
-            collectives.all_reduce(flat, name="tied_grads")
-            offset = 0
-            for p in shared:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
-                offset += n
-
-    def _guard_state_dict(self) -> None:
-        """Make ``model.state_dict()`` on this rank refuse, after a training step, while it would hold
-        stale values: this rank trains only its stage, and the layers other stages train keep their
-        initial values here. Why refuse rather than not materialise them: every rank holding every
-        layer is what lets a one-device ``state_dict`` load on every rank, ``model(x)`` with an empty
-        batch run locally and ``gather_state_dict`` fill the copies in place; and why not gather
-        inside ``state_dict()``: it is a collective, and a script calling it on rank 0 alone would
-        hang until the deadline. ``gather_state_dict`` (every rank) makes the copies current, and so
-        does ``model.load_state_dict``; the hooks sit on each module holding another stage's tensors,
-        so ``model.state_dict()`` and those submodules' ``state_dict()`` refuse alike."""
-        assert self._model is not None
-        mine = {id(t) for t in self._stage_tensors[self.stage]}
-        others = {id(t) for s, ts in enumerate(self._stage_tensors) if s != self.stage for t in ts} - mine
-        if not others:
-            return
-        for name, module in self._model.named_modules():
-            held = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            if any(id(t) in others for t in held):
-                self._hooks.append(module.register_state_dict_pre_hook(partial(self._refuse_stale, name)))
-        self._hooks.append(self._model.register_load_state_dict_post_hook(self._loaded))
-
-    def _refuse_stale(self, name: str, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self._stale and not self._gathering:
-            where = f"module {name!r}" if name else "the model"
-            raise SpreadError(
-                f"rank {self.rank} (pipeline stage {self.stage}) trains only its own stage: {where} "
-                "holds layers other stages train, whose values here are out of date, so its "
-                "state_dict() would be a half-trained model. Call strategy.gather_state_dict(model) on "
-                "every rank instead (it returns the full, current state_dict; model.state_dict() works "
-                "again until the next training step)"
-            )
-
-    def _loaded(self, module: nn.Module, incompatible: Any) -> None:
-        self._stale = False  # every rank loaded the same full state_dict
-
     def _check_model(self, model: nn.Module) -> None:
         if self._model is None:
             self.prepare_model(model)
         elif model is not self._model:
             raise SpreadError("this PipelineStrategy already pipelines another model")
+
+    def _sum_tied_grads(self) -> None:
+        if self._tied is not None:
+            self._tied.sum()
+
+    @contextmanager
+    def _reading_state(self):
+        """The strategy's own reads of the whole state (tracing, the gather) pass the stale guard."""
+        if self._state_guard is None:
+            yield
+        else:
+            with self._state_guard.reading():
+                yield
 
     # -- training ----------------------------------------------------------------------------------
     def _step(
@@ -516,7 +452,8 @@ class PipelineStrategy(Strategy):
         xs, ys = _chunks(x, m), _chunks(y, m)
         self._ensure_partitioned(xs[0] if xs else None)
         self._prepare_traces(xs)
-        self._stale = self.stages > 1  # from now on, other stages' layers here are out of date
+        if self._state_guard is not None:  # from now on, other stages' layers here go out of date
+            self._state_guard.stale = self.stages > 1
         info, self._step_info = self._step_info, None
         global_n = info.global_size if info is not None and info.global_size > 0 else n * self.replicas
         weights = [int(c.shape[0]) / global_n for c in ys]
@@ -595,7 +532,8 @@ class PipelineStrategy(Strategy):
         zero): the squared norms are summed over the stages of this pipeline replica (one small
         all-reduce; after the hybrid exchange a stage's replicas hold the same gradient). A parameter
         several stages use holds the same summed gradient on each: only the first of them counts it."""
-        counted = [p for p in params if id(p) not in self._norm_skips]  # a tied parameter counts once
+        skip = self._tied.counted_elsewhere if self._tied is not None else set()
+        counted = [p for p in params if id(p) not in skip]  # a tied parameter counts once
         squared = local_norm(counted, self._device).to(torch.float64).square().reshape(1)
         with self._guard("the gradient-norm all-reduce"):
             self.pipeline_collectives.all_reduce(squared, name="grad_norm")
@@ -696,34 +634,17 @@ class PipelineStrategy(Strategy):
         """Bring every rank's copy of every layer up to date (each stage's values from its replica-0
         rank) and return ``model.state_dict()``: the full model under its original keys, loadable into
         a one-device model. Collective: call it on every rank. Afterwards ``model.state_dict()`` works
-        on every rank until the next training step (see :meth:`_guard_state_dict`)."""
+        on every rank until the next training step (:class:`~spread.pipeline.ownership.StaleStateGuard`)."""
         model = model if model is not None else self._model
         if model is None or model is not self._model:
             raise SpreadError("gather_state_dict needs the model this strategy pipelines")
         if self._stage_tensors:
             with self._guard("gather_state_dict"):
-                for s, tensors in enumerate(self._first_owned()):
+                for s, tensors in enumerate(first_owned(self._stage_tensors)):
                     self.world.broadcast_tensors(tensors, src=s, name="pipeline_weights")
-        self._stale = False
+        if self._state_guard is not None:
+            self._state_guard.stale = False
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    @contextmanager
-    def _reading_state(self):
-        """The strategy's own reads of the whole state (tracing) pass the stale-state guard."""
-        self._gathering, before = True, self._gathering
-        try:
-            yield
-        finally:
-            self._gathering = before
-
-    def _first_owned(self) -> list[list[torch.Tensor]]:
-        """Per stage, the tensors it is the first stage to use (a tied tensor goes with its first)."""
-        seen: set[int] = set()
-        owned = []
-        for tensors in self._stage_tensors:
-            owned.append([t for t in tensors if id(t) not in seen])
-            seen.update(id(t) for t in tensors)
-        return owned
 
     def gather_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's ``state_dict`` as one device would have it: every stage's per-parameter state
@@ -746,7 +667,7 @@ class PipelineStrategy(Strategy):
         index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         merged: dict[int, dict[str, Any]] = {}
         with self._guard("gather_optimizer_state_dict"):
-            for s, tensors in enumerate(self._first_owned()):
+            for s, tensors in enumerate(first_owned(self._stage_tensors)):
                 owned = sorted(index[id(p)] for p in tensors if id(p) in index)
                 merged.update(
                     broadcast_optimizer_state(self.world, local["state"], owned, src=s, device=self._device)
@@ -789,9 +710,8 @@ class PipelineStrategy(Strategy):
             self._runner.close()
         if self._model is not None:
             unwrap_forward(self._model, _WRAP_KIND)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        if self._state_guard is not None:
+            self._state_guard.remove()
         super().close()  # heartbeat, stage link, subgroups, process group, CPU binding
 
     def __repr__(self) -> str:
