@@ -69,10 +69,11 @@ def fit_gpt2(strategy, tie: bool = True) -> dict:
     return out
 
 
-def _gpt2_worker(schedule: str, tie: bool) -> dict:
+def _gpt2_worker(schedule: str, tie: bool, replicas: int) -> dict:
     schedule, _, extra = schedule.partition("+")
     strategy = spread.PipelineStrategy(
         stages=2,
+        replicas=replicas,
         microbatches=3 if extra else 2,  # 3: micro-batches of 3, 3 and 2 samples, two traced shapes
         schedule=schedule,
         split_points=["transformer.h.2"],
@@ -85,16 +86,16 @@ def _gpt2_worker(schedule: str, tie: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "tie"),
-    [("1f1b", True), ("gpipe", False), ("gpipe+checkpoint", True)],
-    ids=["tied_1f1b", "untied_gpipe", "tied_gpipe_checkpointed_uneven"],
+    ("schedule", "tie", "replicas"),
+    [("1f1b", True, 1), ("gpipe", False, 1), ("gpipe+checkpoint", True, 1), ("1f1b", True, 2)],
+    ids=["tied_1f1b", "untied_gpipe", "tied_gpipe_checkpointed_uneven", "tied_hybrid_2x2"],
 )
 @pytest.mark.processes
-def test_gpt2_split_by_module_name_equals_one_device(schedule, tie):
+def test_gpt2_split_by_module_name_equals_one_device(schedule, tie, replicas):
     from spread.testing import run_ranks
 
     ref = fit_gpt2(spread.OneDeviceStrategy("cpu"), tie)
-    per_rank = run_ranks(_gpt2_worker, 2, args=(schedule, tie), timeout=300)
+    per_rank = run_ranks(_gpt2_worker, 2 * replicas, args=(schedule, tie, replicas), timeout=300)
     for rank, got in enumerate(per_rank):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (rank, got["loss"], ref["loss"])
         assert got["evaluate"]["loss"] == pytest.approx(ref["evaluate"]["loss"], rel=1e-5)
