@@ -1,6 +1,9 @@
 """Pipeline parallelism pieces below the strategy: partitioning, schedules, transfers, the stage runner.
 
 * :mod:`~spread.pipeline.partition`: split an ``nn.Sequential`` into balanced contiguous stages;
+* :mod:`~spread.pipeline.graph_split`: split any module before named submodules (``torch.export``);
+* :mod:`~spread.pipeline.ownership`: tied parameters' gradients summed over their stages, and
+  ``state_dict()`` refused while a rank's copy of other stages' layers is out of date;
 * :mod:`~spread.pipeline.schedules`: GPipe and 1F1B as per-stage action lists, and a replay
   simulator (deadlocks, bubble);
 * :mod:`~spread.pipeline.p2p`: activations and gradients between neighbouring stages;

@@ -78,8 +78,9 @@ class StageLink:
         self._sends: list[tuple[dist.Work, torch.Tensor, str, int, int]] = []
         self._sent_meta: dict[Hashable, tuple] = {}  # key -> (dtype, requires_grad, shape) sent
         self._recv_meta: dict[Hashable, tuple] = {}  # key -> the same, received
-        self._posted_acts: dict[int, tuple[_PendingRecv, torch.Tensor, bool]] = {}
-        self._posted_grads: dict[int, tuple[_PendingRecv, torch.Tensor]] = {}
+        # keyed by (micro-batch, part)
+        self._posted_acts: dict[tuple[int, int], tuple[_PendingRecv, torch.Tensor, bool]] = {}
+        self._posted_grads: dict[tuple[int, int], tuple[_PendingRecv, torch.Tensor]] = {}
 
     def _fail(self, op: str, seq: int, peer: int, exc: BaseException) -> CollectiveError:
         err = classify_error(self.rank, op, seq, exc)
@@ -113,90 +114,97 @@ class StageLink:
         return tensor
 
     # -- activations (forward direction) ---------------------------------------------------------
-    def send_activation(self, tensor: torch.Tensor, microbatch: int, key: Hashable = None) -> None:
+    def send_activation(
+        self, tensor: torch.Tensor, microbatch: int, key: Hashable = None, part: int = 0
+    ) -> None:
         """Send an activation; its header only the first time ``key`` is seen (``None``: always).
 
         ``key`` must determine the activation's dtype and shape (the runtime uses the shape of the
         micro-batch's input to the whole pipeline, known to every stage): then both sides know the
         shape of later messages, and the receiver can post its receive before the data is ready.
+        A stage passing several tensors sends them as ``part`` 0, 1, ... of the micro-batch, in order.
         """
         assert self.next_rank is not None, "the last stage sends no activations"
         data = tensor.detach().contiguous()
         meta = (data.dtype, bool(tensor.requires_grad), tuple(data.shape))
-        known = self._sent_meta.get(key) if key is not None else None
+        known = self._sent_meta.get((key, part)) if key is not None else None
+        where = _where(microbatch, part)
         if known is None:
             header = encode_header(data, tensor.requires_grad).to(self._header_device)
-            self._isend(header, self.next_rank, f"send_act_header[mb {microbatch}]")
+            self._isend(header, self.next_rank, f"send_act_header[{where}]")
             if key is not None:
-                self._sent_meta[key] = meta
+                self._sent_meta[(key, part)] = meta
         elif known != meta:
             raise SpreadError(
                 f"rank {self.rank}: micro-batch {microbatch}'s activation is {meta}, but an earlier "
                 f"micro-batch with the same input shape gave {known}; pipeline stages must produce "
                 f"shapes that depend only on the input's shape"
             )
-        self._isend(data, self.next_rank, f"send_act[mb {microbatch}]")
+        self._isend(data, self.next_rank, f"send_act[{where}]")
 
-    def prefetch_activation(self, microbatch: int, key: Hashable) -> bool:
+    def prefetch_activation(self, microbatch: int, key: Hashable, part: int = 0) -> bool:
         """Post the receive of ``microbatch``'s activation now, when ``key``'s shape is known.
 
         Call it only for the next activation in order (receives are matched in posting order).
         """
-        meta = self._recv_meta.get(key) if key is not None else None
-        if meta is None or microbatch in self._posted_acts:
+        meta = self._recv_meta.get((key, part)) if key is not None else None
+        if meta is None or (microbatch, part) in self._posted_acts:
             return False
         dtype, requires_grad, shape = meta
         data = torch.empty(shape, dtype=dtype, device=self.device)
-        self._posted_acts[microbatch] = (
-            self._irecv(data, self.prev_rank, f"recv_act[mb {microbatch}]"),
+        self._posted_acts[(microbatch, part)] = (
+            self._irecv(data, self.prev_rank, f"recv_act[{_where(microbatch, part)}]"),
             data,
             requires_grad,
         )
         return True
 
-    def recv_activation(self, microbatch: int, key: Hashable = None) -> tuple[torch.Tensor, bool]:
+    def recv_activation(
+        self, microbatch: int, key: Hashable = None, part: int = 0
+    ) -> tuple[torch.Tensor, bool]:
         """The next activation from the previous stage, and whether it wants a gradient back."""
         assert self.prev_rank is not None, "the first stage receives no activations"
-        posted = self._posted_acts.pop(microbatch, None)
+        posted = self._posted_acts.pop((microbatch, part), None)
         if posted is not None:
             pending, data, requires_grad = posted
             pending.wait()
             return data, requires_grad
-        meta = self._recv_meta.get(key) if key is not None else None
+        meta = self._recv_meta.get((key, part)) if key is not None else None
+        where = _where(microbatch, part)
         if meta is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
-            self._recv(header, self.prev_rank, f"recv_act_header[mb {microbatch}]")
+            self._recv(header, self.prev_rank, f"recv_act_header[{where}]")
             meta = decode_header(header.cpu())
             if key is not None:
-                self._recv_meta[key] = meta
+                self._recv_meta[(key, part)] = meta
         dtype, requires_grad, shape = meta
         data = torch.empty(shape, dtype=dtype, device=self.device)
-        self._recv(data, self.prev_rank, f"recv_act[mb {microbatch}]")
+        self._recv(data, self.prev_rank, f"recv_act[{where}]")
         return data, requires_grad
 
     # -- gradients (backward direction) ----------------------------------------------------------
-    def send_grad(self, grad: torch.Tensor, microbatch: int) -> None:
+    def send_grad(self, grad: torch.Tensor, microbatch: int, part: int = 0) -> None:
         assert self.prev_rank is not None, "the first stage sends no gradients"
-        self._isend(grad.detach().contiguous(), self.prev_rank, f"send_grad[mb {microbatch}]")
+        self._isend(grad.detach().contiguous(), self.prev_rank, f"send_grad[{_where(microbatch, part)}]")
 
-    def prefetch_grad(self, like: torch.Tensor, microbatch: int) -> None:
+    def prefetch_grad(self, like: torch.Tensor, microbatch: int, part: int = 0) -> None:
         """Post the receive of ``microbatch``'s output gradient now (call in micro-batch order)."""
-        if microbatch in self._posted_grads:
+        if (microbatch, part) in self._posted_grads:
             return
         grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        self._posted_grads[microbatch] = (
-            self._irecv(grad, self.next_rank, f"recv_grad[mb {microbatch}]"),
+        self._posted_grads[(microbatch, part)] = (
+            self._irecv(grad, self.next_rank, f"recv_grad[{_where(microbatch, part)}]"),
             grad,
         )
 
-    def recv_grad(self, like: torch.Tensor, microbatch: int) -> torch.Tensor:
+    def recv_grad(self, like: torch.Tensor, microbatch: int, part: int = 0) -> torch.Tensor:
         assert self.next_rank is not None, "the last stage receives no gradients"
-        posted = self._posted_grads.pop(microbatch, None)
+        posted = self._posted_grads.pop((microbatch, part), None)
         if posted is not None:
             posted[0].wait()
             return posted[1]
         grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        return self._recv(grad, self.next_rank, f"recv_grad[mb {microbatch}]")
+        return self._recv(grad, self.next_rank, f"recv_grad[{_where(microbatch, part)}]")
 
     def has_posted(self) -> bool:
         return bool(self._posted_acts or self._posted_grads)
@@ -217,6 +225,10 @@ class StageLink:
                 work.wait()
             except (RuntimeError, dist.DistError) as exc:
                 raise self._fail(op, seq, peer, exc) from exc
+
+
+def _where(microbatch: int, part: int) -> str:
+    return f"mb {microbatch}" if part == 0 else f"mb {microbatch} part {part}"
 
 
 class _PendingRecv:

@@ -3,7 +3,9 @@
 The runner is the only code that touches autograd across stages. A stage's forward output is sent
 detached; the next stage makes its copy a leaf that requires grad, so after that stage's backward the
 leaf's ``.grad`` is exactly the gradient to send back; the sending stage then resumes autograd with
-``torch.autograd.backward(output, grad)``. The last stage's backward starts from its loss, scaled by
+``torch.autograd.backward(output, grad)``. A stage of a traced model passes several tensors (GPT-2:
+hidden states and attention mask); each is one part of the micro-batch's transfer, and only parts
+that require grad get a gradient back. The last stage's backward starts from its loss, scaled by
 the micro-batch's share of the global batch, so summed gradients are those of the global mean loss.
 
 Gradient exchange between data-parallel replicas (hybrid) is left to the caller through ``no_sync``:
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,7 +33,19 @@ from spread.pipeline.p2p import StageLink
 from spread.pipeline.schedules import Action, Op
 from spread.pipeline.split_backward import MicrobatchGraph, SplitBackward
 
-LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class TracedStage(Protocol):
+    """What the runner needs from a stage cut out of a traced model (see
+    :mod:`spread.pipeline.graph_split`): it is called as ``module(pipeline_input, *received)`` and
+    returns a tuple of tensors for the next stage (the model's output on the last stage)."""
+
+    def num_received(self, pipeline_input: Any) -> int:
+        """How many tensors this stage receives per micro-batch of this input."""
+        ...
+
+
 OnLoss = Callable[[int, torch.Tensor, Any, torch.Tensor], None]
 
 
@@ -53,9 +67,17 @@ class StageRunner:
     """Runs ``module`` (this stage's layers) under a schedule, talking to neighbours over ``link``."""
 
     def __init__(
-        self, module: nn.Module, stage: int, stages: int, link: StageLink, *, record: bool = False
+        self,
+        module: nn.Module,
+        stage: int,
+        stages: int,
+        link: StageLink,
+        *,
+        record: bool = False,
+        traced: TracedStage | None = None,
     ) -> None:
         self.module, self.stage, self.stages, self.link = module, stage, stages, link
+        self.traced = traced  # a traced stage takes (pipeline input, *received) and passes several
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.record = record
         self.last_times = StepTimes()
@@ -92,50 +114,54 @@ class StageRunner:
                 self._split = SplitBackward(self.module)
             split = self._split
         graphs: dict[int, MicrobatchGraph] = {}
-        received: dict[int, torch.Tensor] = {}
-        wants_grad: dict[int, bool] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
+        received: dict[int, tuple[torch.Tensor, ...]] = {}
+        wants_grad: dict[int, tuple[bool, ...]] = {}
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        grads: dict[int, list[torch.Tensor]] = {}
         losses: dict[int, torch.Tensor] = {}
         times = StepTimes()
         started = time.perf_counter()
         keys = _shape_keys(inputs, len(weights))
         recv_order = [a.microbatch for a in actions if a.op is Op.RECV_ACT]
         if recv_order:  # post the first receive now when its shape is known from an earlier step
-            self.link.prefetch_activation(recv_order[0], keys[recv_order[0]])
+            self._prefetch(recv_order[0], inputs, keys)
         received_count = 0
         saved: dict[int, int] = {}  # micro-batch -> bytes its forward saved for backward (recorded runs)
         live_saved = 0
         for a in actions:
             i = a.microbatch
             if a.op is Op.RECV_ACT:
-                data, wants_grad[i] = self.link.recv_activation(i, keys[i])
-                received[i] = data.requires_grad_(wants_grad[i])
+                parts = [self.link.recv_activation(i, keys[i], j) for j in range(self._parts(inputs, i))]
+                wants_grad[i] = tuple(w for _, w in parts)
+                received[i] = tuple(data.requires_grad_(w) for data, w in parts)
                 received_count += 1
                 if received_count < len(recv_order):  # overlap the next transfer with this compute
-                    nxt = recv_order[received_count]
-                    self.link.prefetch_activation(nxt, keys[nxt])
+                    self._prefetch(recv_order[received_count], inputs, keys)
             elif a.op is Op.SEND_ACT:
-                self.link.send_activation(outputs[i], i, keys[i])
-                if outputs[i].requires_grad:  # its gradient may arrive while we compute others
-                    self.link.prefetch_grad(outputs[i], i)
+                for j, out in enumerate(outputs[i]):
+                    self.link.send_activation(out, i, keys[i], j)
+                for j, out in enumerate(outputs[i]):
+                    if out.requires_grad:  # its gradient may arrive while we compute others
+                        self.link.prefetch_grad(out, i, j)
             elif a.op is Op.RECV_GRAD:
-                if outputs[i].requires_grad:
-                    grads[i] = self.link.recv_grad(outputs[i], i)
+                grads[i] = [
+                    self.link.recv_grad(out, i, j) for j, out in enumerate(outputs[i]) if out.requires_grad
+                ]
             elif a.op is Op.SEND_GRAD:
-                if wants_grad.get(i):
-                    grad = received[i].grad
-                    self.link.send_grad(grad if grad is not None else torch.zeros_like(received[i]), i)
+                for j, (data, w) in enumerate(zip(received.get(i, ()), wants_grad.get(i, ()), strict=True)):
+                    if w:
+                        grad = data.grad
+                        self.link.send_grad(grad if grad is not None else torch.zeros_like(data), i, j)
                 received.pop(i, None)
             elif a.op is Op.FORWARD:
                 t0 = time.perf_counter()
-                x = inputs[i] if self.is_first else received[i]  # type: ignore[index]
+                args = self._args(inputs, received, i)
                 with (
-                    self._meter(x if self.is_first else None) as meter,
+                    self._meter(args[0] if self.is_first else None) as meter,
                     split.forward() if split is not None else nullcontext() as graph,
                     forward_context() if forward_context is not None else nullcontext(),
                 ):
-                    out = self.module(x)
+                    out = self.module(*args)
                     if self.is_last:
                         loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
                 if graph is not None:
@@ -149,7 +175,7 @@ class StageRunner:
                         on_loss(i, out, targets[i], loss)  # type: ignore[index]
                     losses[i] = loss
                 else:
-                    outputs[i] = out
+                    outputs[i] = _as_parts(out)
                 self._account(times, a, t0)
             elif a.op is Op.BACKWARD:
                 t0 = time.perf_counter()
@@ -160,9 +186,9 @@ class StageRunner:
                     if self.is_last:
                         (losses.pop(i) * weights[i]).backward()
                     else:
-                        out = outputs.pop(i)
-                        if out.requires_grad:
-                            torch.autograd.backward(out, grads.pop(i))
+                        roots = [o for o in outputs.pop(i) if o.requires_grad]
+                        if roots:
+                            torch.autograd.backward(roots, grads.pop(i))
                 self._account(times, a, t0)
             elif a.op is Op.BACKWARD_INPUT:
                 t0 = time.perf_counter()
@@ -170,9 +196,9 @@ class StageRunner:
                 if self.is_last:
                     root, grad = losses.pop(i) * weights[i], None
                 else:
-                    root, grad = outputs.pop(i), grads.pop(i, None)
+                    (root,), grad = outputs.pop(i), grads.pop(i, [None])[0]
                 if root.requires_grad:
-                    stage_input = received.get(i) if wants_grad.get(i) else None
+                    stage_input = received[i][0] if any(wants_grad.get(i, ())) else None
                     with nullcontext() if no_sync is None else no_sync():
                         split.backward_input(graphs[i], root, grad, stage_input)
                 self._account(times, a, t0)
@@ -192,20 +218,43 @@ class StageRunner:
         times.total = time.perf_counter() - started
         self.last_times = times
 
-    def forward(self, inputs: Sequence[Any]) -> list[torch.Tensor] | None:
+    def forward(self, inputs: Sequence[Any]) -> list[Any] | None:
         """Inference: run every micro-batch through this stage (no gradients). The last stage returns
-        the outputs, the others None."""
+        the outputs, the others None. Every stage passes the micro-batches' pipeline inputs."""
         outputs = []
         with torch.no_grad():
             for i in range(len(inputs)):
-                x = inputs[i] if self.is_first else self.link.recv_activation(i)[0]
-                out = self.module(x)
+                received = {}
+                if not self.is_first:
+                    parts = range(self._parts(inputs, i))
+                    received[i] = tuple(self.link.recv_activation(i, None, j)[0] for j in parts)
+                out = self.module(*self._args(inputs, received, i))
                 if self.is_last:
                     outputs.append(out)
                 else:
-                    self.link.send_activation(out, i)
+                    for j, part in enumerate(_as_parts(out)):
+                        self.link.send_activation(part, i, None, j)
         self.link.wait_sends()
         return outputs if self.is_last else None
+
+    def _parts(self, inputs: Sequence[Any] | None, i: int) -> int:
+        if self.traced is None:
+            return 1
+        assert inputs is not None, "a traced stage needs the pipeline inputs on every stage"
+        return self.traced.num_received(inputs[i])
+
+    def _args(
+        self, inputs: Sequence[Any] | None, received: dict[int, tuple[torch.Tensor, ...]], i: int
+    ) -> tuple[Any, ...]:
+        """The stage module's arguments: the pipeline input (first stage), the received tensor
+        (later stages), or both (a traced stage: it may use the input and several tensors)."""
+        if self.traced is not None:
+            return (inputs[i], *received.get(i, ()))  # type: ignore[index]
+        return (inputs[i],) if self.is_first else received[i]  # type: ignore[index]
+
+    def _prefetch(self, i: int, inputs: Sequence[Any] | None, keys: list[Any]) -> None:
+        for j in range(self._parts(inputs, i)):
+            self.link.prefetch_activation(i, keys[i], j)
 
     def _meter(self, data: Any) -> AbstractContextManager:
         """Count the bytes a forward saves for backward when recording: activations, not parameters
@@ -221,6 +270,10 @@ class StageRunner:
         times.compute += t1 - t0
         if self.record:
             times.per_action.append((repr(action), t0, t1))
+
+
+def _as_parts(out: Any) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _shape_keys(inputs: Sequence[Any] | None, count: int) -> list[Any]:

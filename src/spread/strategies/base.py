@@ -63,6 +63,11 @@ class TrainingProgram(Protocol):
         """``[loss*n, n, metric sums...]`` of ``n`` samples."""
         ...
 
+    def prediction(self, output: Any) -> torch.Tensor:
+        """The tensor ``loss_fn`` and the metrics take from a model output (a ``ModelOutput``'s
+        ``logits``; a tensor as it is)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ChiefRestore:

@@ -1,4 +1,12 @@
-"""PipelineStrategy: split an ``nn.Sequential`` into stages, one process each, fed by micro-batches.
+"""PipelineStrategy: split a model into stages, one process each, fed by micro-batches.
+
+What is split: an ``nn.Sequential`` (or list of modules) at layer indices, balanced by measured time
+unless ``split_points`` says where; or any ``nn.Module`` at module paths
+(``split_points=["transformer.h.2"]``), traced with ``torch.export`` and cut before each named module
+(:mod:`spread.pipeline.graph_split`). A parameter several stages use (GPT-2's tied embedding and LM
+head) stays one parameter: its stages sum their gradients after each step. ``Trainer`` hands the
+``loss_fn`` the output's prediction (``logits``), as on one device; ``train_step`` hands it the raw
+model output.
 
 Topology: ``stages`` x ``replicas`` processes. Global rank ``r`` is stage ``r % stages`` of pipeline
 replica ``r // stages``; the ranks of one pipeline replica are contiguous. Every rank of a pipeline
@@ -22,7 +30,9 @@ How to train: ``Trainer.fit`` (it calls :meth:`PipelineStrategy.run_training_ste
         optimizer.step()
 
 Every rank builds the whole model (rank 0's weights win, as in the other strategies) but computes only
-its own stage; parameters of other stages get no gradient, so the optimizer leaves them alone.
+its own stage; parameters of other stages get no gradient, so the optimizer leaves them alone, and
+their values in this rank's copy go out of date: after a training step ``model.state_dict()`` raises
+until :meth:`gather_state_dict` (every rank) or ``load_state_dict`` makes the copy current.
 ``model(x)`` under ``torch.no_grad()`` runs the whole pipeline and returns the output on every rank
 (that is how ``Trainer.evaluate/predict`` work). Checkpoints: :meth:`gather_state_dict` brings every
 rank's copy of the model up to date and returns the full model's ``state_dict`` (original keys, loads
@@ -50,6 +60,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from spread.checkpoint.optimizer_exchange import broadcast_optimizer_state
@@ -63,7 +74,7 @@ from spread.data import ReplicaLayout
 from spread.data.batches import inputs_and_targets
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
 from spread.memory import checkpoint_stage
-from spread.memory.forward_wrap import unwrap_forward, wrap_forward
+from spread.memory.forward_wrap import unwrap_forward, wrap_forward, wrappers
 from spread.pipeline import (
     BALANCE_BY,
     SCHEDULES,
@@ -75,6 +86,8 @@ from spread.pipeline import (
     partition,
 )
 from spread.pipeline.affinity import CpuBinding, bind_local_cpus
+from spread.pipeline.graph_split import GraphStage, check_split_points
+from spread.pipeline.ownership import StaleStateGuard, TiedGradients, first_owned
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
 from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
@@ -105,7 +118,11 @@ class PipelineStrategy(Strategy):
             ZB-H1-style: 1F1B with each backward split into the input gradient, sent at once, and
             the weight gradients, computed while the stage would wait; one more micro-batch alive
             than 1F1B; see :mod:`spread.pipeline.split_backward`).
-        split_points: indices of the first layer of stages 1..S-1; default: balanced by ``balance_by``.
+        split_points: where stages 1..S-1 start. Integers: indices of the first layer of each stage
+            of an ``nn.Sequential`` (default: balanced by ``balance_by``). Strings: module paths of
+            any ``nn.Module`` (``"transformer.h.2"``, as in ``model.named_modules()``); the model is
+            then traced with ``torch.export`` and cut before each named module (see
+            :mod:`spread.pipeline.graph_split`).
         replicas: data-parallel copies of the pipeline (the job has ``stages * replicas`` ranks).
         balance_by: ``"time"`` (forward+backward per layer, measured on rank 0 on the first
             micro-batch; parameter count when none is available) or ``"params"``.
@@ -125,7 +142,7 @@ class PipelineStrategy(Strategy):
         stages: int,
         microbatches: int = 1,
         schedule: str = "gpipe",
-        split_points: Sequence[int] | None = None,
+        split_points: Sequence[int] | Sequence[str] | None = None,
         replicas: int = 1,
         *,
         balance_by: str = "time",
@@ -146,6 +163,13 @@ class PipelineStrategy(Strategy):
                 "statistics over the global batch would need every micro-batch's forward first"
             )
         _check_args(stages, microbatches, schedule, split_points, replicas, balance_by)
+        self.named_split = split_points is not None and all(isinstance(p, str) for p in split_points)
+        if self.named_split and schedule == "zb":
+            raise ValueError(
+                "schedule='zb' does not combine with split_points given as module names: a traced stage "
+                "passes several tensors and is re-traced per input shape, and the split backward hooks "
+                "modules once; use schedule='1f1b' or 'gpipe'"
+            )
         if schedule == "zb" and checkpoint_stages:
             raise ValueError(
                 "schedule='zb' does not combine with checkpoint_stages=True: its weight pass runs once "
@@ -153,7 +177,7 @@ class PipelineStrategy(Strategy):
                 "schedule='1f1b' (least activation memory) with checkpointing"
             )
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
-        self.split_points = list(split_points) if split_points is not None else None
+        self.split_points: list[Any] | None = list(split_points) if split_points is not None else None
         self.replicas, self.balance_by = replicas, balance_by
         self.checkpoint_stages = checkpoint_stages
         self.bucket_cap_mb = bucket_cap_mb
@@ -186,6 +210,10 @@ class PipelineStrategy(Strategy):
         self._runner: StageRunner | None = None
         self._reducer: GradientReducer | None = None
         self._buffers: BufferAverager | None = None
+        self._graph_stage: GraphStage | None = None
+        self._stage_tensors: list[list[torch.Tensor]] = []  # per stage: the user's tensors it uses
+        self._tied: TiedGradients | None = None
+        self._state_guard: StaleStateGuard | None = None
 
     def _join(
         self, stages: int, replicas: int, init_timeout: float | None, collective_timeout: float | None
@@ -268,7 +296,8 @@ class PipelineStrategy(Strategy):
         return model is self._model
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Adopt ``model`` (an ``nn.Sequential`` or a list of modules) as the one pipelined model.
+        """Adopt ``model`` (an ``nn.Sequential`` or a list of modules; any module with named
+        ``split_points``) as the one pipelined model.
 
         Local: the split and the broadcast of rank 0's weights happen at the model's first training
         step or forward, on every rank together. A model compiled as a whole is refused (its one graph
@@ -281,15 +310,29 @@ class PipelineStrategy(Strategy):
                 "a PipelineStrategy pipelines one model; create another strategy for a second one"
             )
         _refuse_compiled_whole(model)
-        as_layers(model)  # refuse anything that is not a sequence of layers, now
+        if self.named_split:
+            assert self.split_points is not None
+            check_split_points(model, self.split_points)  # refuse unknown module paths, now
+        else:
+            as_layers(model)  # refuse anything that is not a sequence of layers, now
         model.to(self._device)
         self._model = model
         wrap_forward(model, _WRAP_KIND, self._pipelined_forward)
         return model
 
     def _ensure_partitioned(self, sample: torch.Tensor | None) -> None:
-        if self._bounds is not None:
+        if self._bounds is not None or self._graph_stage is not None:
             return
+        assert self._model is not None
+        if self.named_split:
+            self._partition_traced(sample)
+        else:
+            self._partition_layers(sample)
+        self._tied = TiedGradients(self._stage_tensors, self.stage, self.replica, self.replicas, self._device)
+        self._resources.push(self._tied.close)
+        self._state_guard = StaleStateGuard(self._model, self._stage_tensors, self.stage, self.rank)
+
+    def _partition_layers(self, sample: torch.Tensor | None) -> None:
         assert self._model is not None
         layers = as_layers(self._model)
         # Argument errors first, on every rank alike, before any rank waits in a collective.
@@ -313,12 +356,57 @@ class PipelineStrategy(Strategy):
             self.world.broadcast(edges, src=0, name="pipeline_partition")
         e = edges.tolist()
         self._bounds = [(e[i], e[i + 1]) for i in range(self.stages)]
+        self._stage_tensors = [
+            _unique(t for layer in layers[a:b] for t in (*layer.parameters(), *layer.buffers()))
+            for a, b in self._bounds
+        ]
         start, end = self._bounds[self.stage]
-        self.stage_module = nn.Sequential(*layers[start:end])
+        self._start_stage(nn.Sequential(*layers[start:end]), None)
+
+    def _partition_traced(self, sample: torch.Tensor | None) -> None:
+        """Every rank traces the whole model on the same first micro-batch, so every rank knows every
+        stage's tensors without a message; rank 0's weights are broadcast first, as for layers."""
+        assert self._model is not None and self.split_points is not None
+        if not isinstance(sample, torch.Tensor):
+            raise TypeError(
+                "a model split at named modules takes one tensor input per batch (e.g. input_ids, "
+                f"with (input_ids, labels) batches), got {type(sample).__name__}"
+            )
+        with self._guard("the initial weight broadcast"):
+            self.world.broadcast_tensors(
+                [*self._model.parameters(), *self._model.buffers()], src=0, name="pipeline_weights"
+            )
+        ours = next(w for w in wrappers(self._model) if w.kind == _WRAP_KIND)
+        stage = GraphStage(self._model, self.split_points, self.stage, call=ours.inner)
+        split = stage.prepare(sample)
+        assert split is not None
+        self._stage_tensors = [split.stage_tensors(s) for s in range(self.stages)]
+        self._graph_stage = stage
+        self._start_stage(stage, stage)
+
+    def _prepare_traces(self, xs: Sequence[Any]) -> None:
+        """Trace the model for input shapes (or train/eval mode) not seen yet; the stages must use the
+        same tensors as in the first trace (the tied-gradient groups and checkpoints rely on it)."""
+        if self._graph_stage is None:
+            return
+        for x in xs:
+            with self._reading_state():  # the tracer reads state_dict(keep_vars=True)
+                split = self._graph_stage.prepare(x)
+            if split is None:
+                continue
+            for s in range(self.stages):
+                if [id(t) for t in split.stage_tensors(s)] != [id(t) for t in self._stage_tensors[s]]:
+                    raise SpreadError(
+                        f"tracing the model for input shape {tuple(x.shape)} gave stage {s} other "
+                        "parameters than the first trace did; the split must not depend on the input"
+                    )
+
+    def _start_stage(self, module: nn.Module, traced: GraphStage | None) -> None:
+        self.stage_module = module
         if self.checkpoint_stages:
             checkpoint_stage(self.stage_module)
         self._runner = StageRunner(
-            self.stage_module, self.stage, self.stages, self.link, record=self.record_times
+            self.stage_module, self.stage, self.stages, self.link, record=self.record_times, traced=traced
         )
         if self.replicas > 1:
             self._reducer = GradientReducer(
@@ -335,6 +423,19 @@ class PipelineStrategy(Strategy):
             self.prepare_model(model)
         elif model is not self._model:
             raise SpreadError("this PipelineStrategy already pipelines another model")
+
+    def _sum_tied_grads(self) -> None:
+        if self._tied is not None:
+            self._tied.sum()
+
+    @contextmanager
+    def _reading_state(self):
+        """The strategy's own reads of the whole state (tracing, the gather) pass the stale guard."""
+        if self._state_guard is None:
+            yield
+        else:
+            with self._state_guard.reading():
+                yield
 
     # -- training ----------------------------------------------------------------------------------
     def _step(
@@ -353,6 +454,9 @@ class PipelineStrategy(Strategy):
         m = min(self.microbatches, n)
         xs, ys = _chunks(x, m), _chunks(y, m)
         self._ensure_partitioned(xs[0] if xs else None)
+        self._prepare_traces(xs)
+        if self._state_guard is not None:  # from now on, other stages' layers here go out of date
+            self._state_guard.stale = self.stages > 1
         info, self._step_info = self._step_info, None
         global_n = info.global_size if info is not None and info.global_size > 0 else n * self.replicas
         weights = [int(c.shape[0]) / global_n for c in ys]
@@ -363,6 +467,7 @@ class PipelineStrategy(Strategy):
                     self._reducer.reduce_now()
                 if self._buffers is not None:
                     self._buffers.sync(0.0)
+                self._sum_tied_grads()
                 return
             self._runner.train(
                 make_schedule(self.schedule, self.stage, self.stages, m),
@@ -376,6 +481,7 @@ class PipelineStrategy(Strategy):
             )
             if self._buffers is not None:  # the stage's replicas: the same running statistics
                 self._buffers.sync(n / global_n)
+            self._sum_tied_grads()
 
     def train_step(self, model: nn.Module, x: Any, y: Any, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of one mini-batch through the pipeline; ``.grad`` holds the gradient
@@ -405,13 +511,18 @@ class PipelineStrategy(Strategy):
                 "PipelineStrategy needs Trainer(loss_fn=...): the last stage computes the loss from "
                 "(inputs, targets) batches; a model computing its own loss is not pipelined"
             )
-        loss_fn = program.loss_fn
+        user_loss_fn = program.loss_fn
+
+        def loss_fn(out: Any, target: Any) -> torch.Tensor:  # as the Trainer does on one device
+            return user_loss_fn(program.prediction(out), target)
+
         x, y = inputs_and_targets(batch, who="PipelineStrategy")
         width = 2 + len(program.metrics)
         stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
 
-        def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
-            stats.add_(program.batch_stats(out, target, loss, int(target.shape[0])).to(stats.device))
+        def on_loss(i: int, out: Any, target: Any, loss: torch.Tensor) -> None:
+            pred = program.prediction(out)
+            stats.add_(program.batch_stats(pred, target, loss, int(target.shape[0])).to(stats.device))
 
         self._step(program.model, x, y, loss_fn, on_loss, program.forward_context)
         with self._guard("the metrics all-reduce"):
@@ -422,8 +533,11 @@ class PipelineStrategy(Strategy):
     def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
         """Each stage holds its own layers' gradients only (the others' ``.grad`` stay empty or
         zero): the squared norms are summed over the stages of this pipeline replica (one small
-        all-reduce; after the hybrid exchange a stage's replicas hold the same gradient)."""
-        squared = local_norm(params, self._device).to(torch.float64).square().reshape(1)
+        all-reduce; after the hybrid exchange a stage's replicas hold the same gradient). A parameter
+        several stages use holds the same summed gradient on each: only the first of them counts it."""
+        skip = self._tied.counted_elsewhere if self._tied is not None else set()
+        counted = [p for p in params if id(p) not in skip]  # a tied parameter counts once
+        squared = local_norm(counted, self._device).to(torch.float64).square().reshape(1)
         with self._guard("the gradient-norm all-reduce"):
             self.pipeline_collectives.all_reduce(squared, name="grad_norm")
         return squared.sqrt().to(torch.float32).reshape(())
@@ -437,7 +551,7 @@ class PipelineStrategy(Strategy):
             )
 
     # -- inference ---------------------------------------------------------------------------------
-    def _pipelined_forward(self, inner: Callable, x: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _pipelined_forward(self, inner: Callable, x: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             raise SpreadError(
                 "under PipelineStrategy, model(x) runs the pipeline for inference only: call it inside "
@@ -451,10 +565,24 @@ class PipelineStrategy(Strategy):
         m = min(self.microbatches, n)
         xs = _chunks(x, m)
         self._ensure_partitioned(xs[0])
+        self._prepare_traces(xs)
         assert self._runner is not None
         with self._guard("a pipelined forward"):
             outputs = self._runner.forward(xs)
-            return self._broadcast_output(torch.cat(outputs) if outputs is not None else None)
+            if self._graph_stage is None:
+                return self._broadcast_output(torch.cat(outputs) if outputs is not None else None)
+            # A traced model's output may be a structure (a ModelOutput): every rank knows it from
+            # its own trace, so only its tensors travel, each concatenated over the micro-batches.
+            structure = self._graph_stage.rebuild(xs[0])
+            flat = None
+            if outputs is not None:
+                parts = [[t for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)] for o in outputs]
+                flat = [torch.cat(column) for column in zip(*parts, strict=True)]
+            tensors = [
+                self._broadcast_output(flat[k] if flat is not None else None)
+                for k in range(structure.num_tensors)
+            ]
+            return structure(tensors)
 
     def _broadcast_output(self, out: torch.Tensor | None) -> torch.Tensor:
         src = self.replica * self.stages + self.stages - 1
@@ -508,18 +636,17 @@ class PipelineStrategy(Strategy):
     def gather_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Bring every rank's copy of every layer up to date (each stage's values from its replica-0
         rank) and return ``model.state_dict()``: the full model under its original keys, loadable into
-        a one-device model. Collective: call it on every rank."""
+        a one-device model. Collective: call it on every rank. Afterwards ``model.state_dict()`` works
+        on every rank until the next training step (:class:`~spread.pipeline.ownership.StaleStateGuard`)."""
         model = model if model is not None else self._model
         if model is None or model is not self._model:
             raise SpreadError("gather_state_dict needs the model this strategy pipelines")
-        if self._bounds is not None:
-            layers = as_layers(model)
+        if self._stage_tensors:
             with self._guard("gather_state_dict"):
-                for s, (start, end) in enumerate(self._bounds):
-                    tensors = [
-                        t for layer in layers[start:end] for t in (*layer.parameters(), *layer.buffers())
-                    ]
+                for s, tensors in enumerate(first_owned(self._stage_tensors)):
                     self.world.broadcast_tensors(tensors, src=s, name="pipeline_weights")
+        if self._state_guard is not None:
+            self._state_guard.stale = False
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def gather_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -537,17 +664,14 @@ class PipelineStrategy(Strategy):
         get no gradient, so the other stages' state it loads on restore is never used.
         """
         local = optimizer.state_dict()
-        if self._bounds is None or self.world.world_size == 1:
+        if not self._stage_tensors or self.world.world_size == 1:
             return local
         assert self._model is not None
         index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        layers = as_layers(self._model)
         merged: dict[int, dict[str, Any]] = {}
         with self._guard("gather_optimizer_state_dict"):
-            for s, (start, end) in enumerate(self._bounds):
-                owned = sorted(
-                    index[id(p)] for layer in layers[start:end] for p in layer.parameters() if id(p) in index
-                )
+            for s, tensors in enumerate(first_owned(self._stage_tensors)):
+                owned = sorted(index[id(p)] for p in tensors if id(p) in index)
                 merged.update(
                     broadcast_optimizer_state(self.world, local["state"], owned, src=s, device=self._device)
                 )
@@ -589,6 +713,8 @@ class PipelineStrategy(Strategy):
             self._runner.close()
         if self._model is not None:
             unwrap_forward(self._model, _WRAP_KIND)
+        if self._state_guard is not None:
+            self._state_guard.remove()
         super().close()  # heartbeat, stage link, subgroups, process group, CPU binding
 
     def __repr__(self) -> str:
@@ -596,6 +722,13 @@ class PipelineStrategy(Strategy):
             f"PipelineStrategy(stages={self.stages}, microbatches={self.microbatches}, "
             f"schedule={self.schedule!r}, replicas={self.replicas}, rank={self.rank}, stage={self.stage})"
         )
+
+
+def _unique(tensors: Any) -> list[torch.Tensor]:
+    found: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        found.setdefault(id(t), t)
+    return list(found.values())
 
 
 def _release_groups(groups: list, collectives: list[Collectives]) -> None:
@@ -634,7 +767,16 @@ def _check_args(
         raise ValueError(f"replicas must be a positive integer, got replicas={replicas!r}")
     if balance_by not in BALANCE_BY:
         raise ValueError(f"balance_by must be one of {BALANCE_BY}, got balance_by={balance_by!r}")
-    if split_points is not None:
+    if split_points is not None and any(isinstance(p, str) for p in split_points):
+        names = list(split_points)
+        if len(names) != stages - 1 or not all(isinstance(p, str) and p for p in names):
+            raise ValueError(
+                f"split_points must name stages-1={stages - 1} module paths (where stages 1..{stages - 1} "
+                f"start, e.g. 'transformer.h.2'), or be layer indices; got split_points={names!r}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"split_points must be distinct module paths, got split_points={names!r}")
+    elif split_points is not None:
         points = list(split_points)
         if (
             len(points) != stages - 1
