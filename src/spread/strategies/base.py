@@ -399,6 +399,13 @@ class Strategy(abc.ABC):
         cache of variables held elsewhere."""
         return True
 
+    def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` as this process holds it, sharing the model's storage: for
+        bookkeeping done in place on every rank (a weight average, a best-weights copy, a shape
+        check), never for saving. Default: the model's own. Pipeline: every rank's copy, its other
+        stages' layers included (out of date there; ``model.state_dict()`` itself refuses)."""
+        return model.state_dict()
+
     def refresh_weights(self) -> None:
         """Make this process's model hold the current value of every variable (before evaluating
         what training produced elsewhere). Default: nothing, the model is current

@@ -428,6 +428,10 @@ class PipelineStrategy(Strategy):
         if self._tied is not None:
             self._tied.sum()
 
+    def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        with self._reading_state():
+            return model.state_dict()
+
     @contextmanager
     def _reading_state(self):
         """The strategy's own reads of the whole state (tracing, the gather) pass the stale guard."""

@@ -248,7 +248,7 @@ class BackupAndRestore(Callback):
                 self.resumed_from_replicas = int(saved_replicas)
             else:
                 problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
-        problems += tensor_mismatches(state["model"], trainer.model.state_dict())
+        problems += tensor_mismatches(state["model"], trainer.strategy.local_state_dict(trainer.model))
         problems += optimizer_mismatches(state["optimizer"], trainer.optimizer)
         where = self.manager.directory / f"ckpt-{step:010d}"
         raise_if(problems, str(where), "model, optimizer and strategy")

@@ -63,7 +63,11 @@ class EMA(Callback):
     # -- training ----------------------------------------------------------------------------------
     def _live(self) -> dict[str, torch.Tensor]:
         """The model's floating-point state, as tensors sharing the model's storage."""
-        return {k: v for k, v in self.trainer.model.state_dict().items() if v.is_floating_point()}
+        return {
+            k: v
+            for k, v in self.trainer.strategy.local_state_dict(self.trainer.model).items()
+            if v.is_floating_point()
+        }
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         strategy = self.trainer.strategy
