@@ -151,6 +151,28 @@ class Collectives:
         parts = self.all_gather(padded, name=name)
         return [part[:n] for part, n in zip(parts, sizes, strict=True)]
 
+    def reduce_scatter(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
+    ) -> torch.Tensor:
+        """Sum ``tensor`` (``world_size`` equal rows, flat) over ranks; this rank's row lands in
+        ``output``. On gloo, torch 2.13's ``reduce_scatter_tensor`` is supported (checked)."""
+        if self.world_size == 1:
+            return output.copy_(tensor.view(-1))
+        with self._guard(name):
+            dist.reduce_scatter_tensor(output, tensor, group=self.group)
+        return output
+
+    def all_gather_into(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "all_gather_into"
+    ) -> torch.Tensor:
+        """Every rank's ``tensor``, in rank order, into the flat ``output`` (``world_size`` times
+        its size): one collective, no list of tensors."""
+        if self.world_size == 1:
+            return output.copy_(tensor.view(-1))
+        with self._guard(name):
+            dist.all_gather_single(output, tensor, group=self.group)
+        return output
+
     def barrier(self, *, name: str = "barrier") -> None:
         if self.world_size == 1:
             return

@@ -24,6 +24,7 @@ from torch import nn
 
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
+from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.context import (
     ReplicaContext,
@@ -400,6 +401,39 @@ class Strategy(abc.ABC):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state in the one-device layout."""
         return optimizer.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        """Load a one-device model state (what :meth:`model_state_dict` returns) into ``model``.
+        Collective where :attr:`state_is_collective`. Default: ``model.load_state_dict``."""
+        model.load_state_dict(state)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a one-device optimizer state (what :meth:`optimizer_state_dict` returns). Default:
+        ``optimizer.load_state_dict``; a strategy whose optimizer holds a part of every parameter
+        (sharded data parallelism) keeps its part."""
+        optimizer.load_state_dict(dict(state))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make an optimizer over managed parameters fit this strategy; returns the same object.
+        ``Trainer`` calls it. Default: nothing to do. A strategy whose optimizer must step something
+        else than the model's parameters (its shards of them) rewires the parameter groups here."""
+        return optimizer
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes of model state this process holds now: managed parameters, their gradients and the
+        gradient exchange's buffers, and ``optimizer``'s state (each storage counted once)."""
+        seen: set[int] = set()
+        params = self.managed_parameters
+        return MemoryReport(
+            parameter_bytes=storage_bytes(params, seen),
+            gradient_bytes=storage_bytes([*(p.grad for p in params), *self._exchange_buffers()], seen),
+            optimizer_state_bytes=storage_bytes(optimizer_state_tensors(optimizer), seen),
+        )
+
+    def _exchange_buffers(self) -> list[torch.Tensor]:
+        """Buffers the gradient exchange keeps between steps (for :meth:`memory_report`)."""
+        return []
 
     # -- backups (BackupAndRestore) ----------------------------------------------------------------
     @property

@@ -114,8 +114,8 @@ class BackupAndRestore(Callback):
             return
         step, state = found
         self._check_compatible(state, step)
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        strategy.load_model_state_dict(trainer.model, state["model"])
+        strategy.load_optimizer_state_dict(trainer.optimizer, state["optimizer"])
         trainer.load_training_state(state.get("trainer") or {})
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}

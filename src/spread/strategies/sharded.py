@@ -1,0 +1,563 @@
+"""ShardedStrategy: data parallelism whose optimizer state, gradients and parameters are split over the
+processes instead of copied on each (ZeRO stages 1-3; ``shard="parameters"`` is FSDP's full sharding).
+
+Every process still computes forward and backward of its slice of each global batch, like
+:class:`~spread.strategies.MultiWorkerMirroredStrategy` (whose process group, launch paths, data
+distribution, buffer averaging and timeouts it reuses); what differs is who holds what:
+
+=================  ==========================  ===============================  ===================
+``shard=``         parameters between steps     gradients after backward         optimizer state
+=================  ==========================  ===============================  ===================
+``"optimizer"``    full copy + own 1/N          full all-reduce buffer + 1/N     1/N
+``"gradients"``    full copy + own 1/N          1/N (reduce-scatter)             1/N
+``"parameters"``   1/N (gathered per module)    1/N (reduce-scatter)             1/N
+=================  ==========================  ===============================  ===================
+
+Layout (:mod:`spread.comm.sharding`): every parameter is flattened and cut into N equal chunks;
+rank r owns chunk r of each. Parameters are exchanged in *blocks* (one collective per block): at
+``"parameters"`` a block is one module's own parameters (gathered by a forward pre-hook, released
+after the forward, gathered again when backward reaches the module's outputs, released once its
+gradients are reduced); otherwise blocks of up to ``bucket_cap_mb``. Blocks are reduced in the
+reverse order of their creation, each as soon as its gradients are complete and every earlier block
+was reduced, so every rank issues the same collectives in the same order.
+
+The optimizer steps the shards: :meth:`ShardedStrategy.prepare_optimizer` (``Trainer`` calls it; a
+custom loop's first ``optimizer.step()`` does it through a step pre-hook) replaces each managed
+parameter in the optimizer's groups by a 1-D parameter holding this rank's chunk, so the optimizer
+object, its param groups, hyperparameters and schedulers stay the user's, and its state covers the
+shard only. After each step the shards are all-gathered into the model (``"optimizer"``,
+``"gradients"``) or left to the next forward (``"parameters"``). This equals one device exactly for
+optimizers that update each element from that element's own state (SGD, momentum, Adam, AdamW,
+RMSprop, Adagrad, ...); ones that look across a tensor (LAMB's trust ratio, Adafactor, Shampoo,
+Muon) would see a chunk, not the tensor, and are not supported.
+
+Gradients: each backward pass ends with ``.grad`` of the model's parameters gone (``None``) and
+the weighted sum over ranks of what it produced added to the shards' ``.grad`` (the same weights
+as MultiWorkerMirrored: each replica's share of the global batch, so uneven final batches equal one
+device). A parameter that got no gradient on any rank keeps its shard's ``grad is None`` (a flag per
+parameter travels with the reduction). Inside :meth:`no_sync` the model's ``.grad`` accumulate in
+full (as DDP and FSDP's ``set_requires_gradient_sync(False)``) until the next synchronised backward.
+
+Requirements: every rank runs the same modules in forward and backward (collectives happen in hook
+order); at ``"parameters"`` a parameter is read only inside the forward of a module that holds it
+(``module._parameters``): a weight tied into another module must be registered there too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from spread.cluster import ClusterSpec
+from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives
+from spread.comm.sharding import ShardLayout
+from spread.data import StepInfo
+from spread.errors import SpreadError
+from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
+from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
+
+SHARD_STAGES = ("optimizer", "gradients", "parameters")
+
+
+class _Block:
+    """Parameters sharded and exchanged together: one all-gather and one reduction each."""
+
+    def __init__(self, params: list[nn.Parameter], collectives: Collectives, shard: str) -> None:
+        self.params = params
+        self.collectives = collectives
+        self.shard = shard
+        self.layout = ShardLayout.of([p.shape for p in params], collectives.world_size, extra=len(params))
+        rank = collectives.rank
+        with torch.no_grad():
+            chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
+            self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
+        self.shards = [
+            nn.Parameter(self.flat_shard[off : off + c], requires_grad=p.requires_grad)
+            for p, off, c in zip(params, self.layout.offsets, self.layout.chunks, strict=True)
+        ]
+        self.trainable = sum(p.requires_grad for p in params)
+        self.grad_buffer: torch.Tensor | None = None  # "optimizer": the all-reduce's, kept
+        self.resident = True  # whether the model's parameters hold their full values
+        self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
+
+    # -- parameters --------------------------------------------------------------------------------
+    def gather(self) -> None:
+        """Collective: every rank's chunks into the model's parameters (materialised first)."""
+        layout = self.layout
+        gathered = self.flat_shard.new_empty(layout.world_size * layout.shard_numel)
+        self.collectives.all_gather_into(gathered, self.flat_shard, name="sharded.all_gather_parameters")
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                storage = p.untyped_storage()
+                needed = (p.storage_offset() + p.numel()) * p.element_size()
+                if storage.nbytes() < needed:
+                    storage.resize_(needed)
+                # Through .data: autograd's version counter stays, so a backward that saved ``p``
+                # in forward (and finds it released and gathered again) accepts it.
+                layout.unpack_into(gathered, i, p.data)
+        self.resident = True
+
+    def release(self) -> None:
+        """Free the model parameters' storage (shapes stay; values are gone until :meth:`gather`)."""
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.resident = False
+
+    def refresh_shards(self) -> None:
+        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.shards[i].copy_(self.layout.chunk_of(i, p, self.collectives.rank))
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def reduce(self, grad_scale: float) -> None:
+        """Collective: the model's ``.grad`` (times ``grad_scale``), summed over ranks, added to the
+        shards' ``.grad`` (chunk of this rank); the model's ``.grad`` become ``None``."""
+        layout, world = self.layout, self.collectives.world_size
+        grads = [p.grad for p in self.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise SpreadError("ShardedStrategy does not shard sparse gradients (nn.Embedding(sparse=True))")
+        if self.shard == "optimizer":
+            if self.grad_buffer is None:
+                self.grad_buffer = self.flat_shard.new_empty(world * layout.row_numel)
+            packed = self.grad_buffer
+        else:
+            packed = self.flat_shard.new_empty(world * layout.row_numel)
+        layout.pack(grads, packed, grad_scale)
+        rows = packed.view(world, layout.row_numel)
+        s = layout.shard_numel
+        rows[:, s:] = torch.tensor([g is not None for g in grads], dtype=packed.dtype)  # presence flags
+        if self.shard == "optimizer":
+            self.collectives.all_reduce(packed, name="sharded.grad_all_reduce")
+            mine = rows[self.collectives.rank]
+        else:
+            mine = packed.new_empty(layout.row_numel)
+            self.collectives.reduce_scatter(mine, packed, name="sharded.grad_reduce_scatter")
+        present = mine[s:].tolist()
+        for i, shard in enumerate(self.shards):
+            if present[i] <= 0:
+                continue  # no rank produced a gradient for it: as on one device, it keeps none
+            off, c = layout.offsets[i], layout.chunks[i]
+            grad = mine[off : off + c]
+            if shard.grad is None:
+                shard.grad = grad.clone() if self.shard == "optimizer" else grad
+            else:
+                shard.grad.add_(grad)
+        for p in self.params:
+            p.grad = None
+
+
+class ShardedStrategy(MultiWorkerMirroredStrategy):
+    """Synchronous data parallelism, one replica per process, with model state split over them.
+
+    Args:
+        shard: what is split over the processes: ``"optimizer"`` (ZeRO-1: optimizer state),
+            ``"gradients"`` (ZeRO-2: and gradients, reduce-scattered), ``"parameters"`` (ZeRO-3 /
+            FSDP: and the parameters, gathered around each module's forward and backward).
+        cluster: the cluster spec; default: resolved from the environment.
+        bucket_cap_mb: size of a parameter block at ``"optimizer"`` and ``"gradients"`` (one
+            collective each); at ``"parameters"`` a block is one module's parameters.
+        init_timeout, collective_timeout, sync_batchnorm: as for MultiWorkerMirroredStrategy.
+
+    Collectives are torch.distributed's ``reduce_scatter_tensor`` and ``all_gather_single`` (both
+    supported by gloo in torch 2.13) and ``all_reduce`` at ``"optimizer"``; buffers (BatchNorm
+    statistics) are not sharded and are averaged after each step as with MultiWorkerMirrored.
+    """
+
+    def __init__(
+        self,
+        shard: str = "parameters",
+        *,
+        cluster: ClusterSpec | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        init_timeout: float | None = None,
+        collective_timeout: float | None = None,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        if shard not in SHARD_STAGES:
+            raise ValueError(f"shard must be one of {SHARD_STAGES}, got {shard!r}")
+        self.shard = shard
+        super().__init__(
+            "native",
+            cluster=cluster,
+            bucket_cap_mb=bucket_cap_mb,
+            init_timeout=init_timeout,
+            collective_timeout=collective_timeout,
+            sync_batchnorm=sync_batchnorm,
+        )
+        self._resources.owner = f"ShardedStrategy rank {self.cluster.rank}"
+        self._blocks: list[_Block] = []  # in creation order; reduced in reverse
+        self._block_of: dict[int, tuple[_Block, int]] = {}  # id(model parameter) -> (block, index)
+        self._shard_to_block: dict[int, _Block] = {}  # id(shard parameter) -> its block
+        self._pending: list[nn.Parameter] = []  # adopted, not yet in a block
+        self._module_blocks: dict[nn.Module, list[_Block]] = {}
+        self._handles: list[RemovableHandle] = []
+        self._prepared: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._grad_scale = 1.0 / self.collectives.world_size
+        self._sync = True
+        self._queued = False
+        self._next_reduce = 0  # index into the reverse block order of the next block to reduce
+        self._pre_step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    # -- variables ---------------------------------------------------------------------------------
+    def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        tensors = [*params, *buffers]
+        self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
+        self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
+        self._buffers_stale = True
+        self._pending.extend(params)
+
+    def _on_new_modules(self, modules: list[nn.Module]) -> None:
+        super()._on_new_modules(modules)  # BatchNorm and buffer averaging, as MultiWorkerMirrored
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        if self.shard == "parameters":
+            groups = _blocks_by_module(pending, modules)
+        else:
+            groups = _blocks_by_size(pending, int(self.bucket_cap_mb * 2**20))
+        created: dict[int, _Block] = {}  # id(model parameter) -> its new block
+        for params in groups:
+            block = _Block(params, self.collectives, self.shard)
+            self._blocks.append(block)
+            for i, p in enumerate(params):
+                created[id(p)] = block
+                self._block_of[id(p)] = (block, i)
+                self._shard_to_block[id(block.shards[i])] = block
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+        if self.shard != "parameters":
+            return
+        for module in modules:
+            held = [p for p in module._parameters.values() if p is not None and id(p) in created]
+            if not held or module in self._module_blocks:
+                continue
+            # Every module holding a new parameter (a tied weight's second holder too) gathers its
+            # blocks around its forward.
+            self._module_blocks[module] = list({id(created[id(p)]): created[id(p)] for p in held}.values())
+            self._handles.append(module.register_forward_pre_hook(self._before_forward))
+            self._handles.append(module.register_forward_hook(self._after_forward))
+        for block in {id(b): b for b in created.values()}.values():
+            block.release()
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._gather(self._module_blocks[module])
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        blocks = self._module_blocks[module]
+        if torch.is_grad_enabled():
+            needing = [t for t in _tensors(output) if t.requires_grad]
+            if needing:
+                # Backward reaches this module's outputs before it needs the parameters it saved.
+                register_multi_grad_hook(needing, lambda grad: self._gather(blocks), mode="any")
+        for block in blocks:
+            block.release()
+
+    def _gather(self, blocks: Sequence[_Block]) -> None:
+        for block in blocks:
+            if not block.resident:
+                block.gather()
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _after_accumulate(self, p: torch.Tensor) -> None:
+        block, _ = self._block_of[id(p)]
+        block.ready.add(id(p))
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        order = self._blocks[::-1]
+        while self._next_reduce < len(order) and len(order[self._next_reduce].ready) >= order[self._next_reduce].trainable:
+            self._finish_block(order[self._next_reduce])
+            self._next_reduce += 1
+
+    def _finish_block(self, block: _Block) -> None:
+        if self._sync and block.trainable:
+            block.reduce(self._grad_scale)
+        if self.shard == "parameters" and block.resident and block.trainable:
+            block.release()  # a frozen block's backward may still come: released at the end
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        try:
+            for block in self._blocks[::-1][self._next_reduce :]:
+                self._finish_block(block)
+        finally:
+            self._next_reduce = 0
+            for block in self._blocks:
+                block.ready.clear()
+                if self.shard == "parameters" and block.resident:
+                    block.release()  # e.g. a frozen module's, gathered for its backward
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _set_step_info(self, info: StepInfo) -> None:
+        super()._set_step_info(info)
+        self._grad_scale = self._replica_weights()[0]
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        self._grad_scale = self._replica_weights()[0]
+        return super().run(fn, args, kwargs)
+
+    def _shards_of(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """The shard parameters standing for ``params`` (model parameters or shards themselves)."""
+        out: dict[int, nn.Parameter] = {}
+        for p in params:
+            if id(p) in self._shard_to_block:
+                out[id(p)] = p
+            elif id(p) in self._block_of:
+                block, i = self._block_of[id(p)]
+                out[id(block.shards[i])] = block.shards[i]
+            else:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is not managed by this ShardedStrategy; "
+                    f"build the model inside strategy.scope() or pass it to strategy.prepare_model"
+                )
+        return list(out.values())
+
+    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """The norm over every rank's shards: squared shard norms summed over ranks (collective)."""
+        local = local_norm(self._shards_of(params), self.device).double()
+        squares = local * local
+        self.collectives.all_reduce(squares, name="sharded.grad_norm")
+        return squares.sqrt().float()
+
+    def clip_gradients(
+        self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
+    ) -> torch.Tensor:
+        shards = self._shards_of(params)
+        norm = self.global_grad_norm(shards)
+        if max_norm is not None:
+            scale_by_norm(shards, max_norm, norm)
+        if max_value is not None:
+            clamp_values(shards, max_value)
+        return norm
+
+    def check_precision(self, precision: str) -> None:
+        if precision == "fp16":
+            raise ValueError(
+                "ShardedStrategy does not train in precision='fp16': the loss scaler's overflow check "
+                "would see each rank's gradient shard and could skip a step on some ranks only; use 'bf16'"
+            )
+
+    # -- the optimizer -----------------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer`` step this rank's shards: each managed parameter in its groups is replaced
+        by its shard (groups, hyperparameters and the object itself stay), and state it already
+        holds is cut to the shard. Idempotent; a custom loop's first ``optimizer.step()`` calls it."""
+        if optimizer in self._prepared:
+            return optimizer
+        for group in optimizer.param_groups:
+            group["params"] = self._shards_of(group["params"]) if group["params"] else []
+        for p in list(optimizer.state):
+            if id(p) in self._block_of:
+                block, i = self._block_of[id(p)]
+                state = optimizer.state.pop(p)
+                optimizer.state[block.shards[i]] = {
+                    k: self._chunk_state(block, i, k, v) for k, v in state.items()
+                }
+        self._prepared.add(optimizer)
+        return optimizer
+
+    def _chunk_state(self, block: _Block, i: int, key: str, value: Any) -> Any:
+        if _is_per_element(key, value, block.layout.shapes[i]):
+            return block.layout.chunk_of(i, value, self.collectives.rank)
+        return value
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if optimizer not in self._prepared and any(
+            id(p) in self._block_of for group in optimizer.param_groups for p in group["params"]
+        ):
+            self.prepare_optimizer(optimizer)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._closed:
+            return
+        stepped = {
+            id(b)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if (b := self._shard_to_block.get(id(p))) is not None
+        }
+        if not stepped:
+            return
+        for block in self._blocks:
+            if id(block) not in stepped:
+                continue
+            if self.shard == "parameters":
+                if block.resident:
+                    block.release()  # stale now; the next forward gathers the new values
+            else:
+                block.gather()
+        if self._buffers is not None:
+            self._buffers.sync(self._buffer_weight)
+
+    # -- state in the one-device layout ------------------------------------------------------------
+    @property
+    def state_is_collective(self) -> bool:
+        return True
+
+    @property
+    def holds_current_weights(self) -> bool:
+        return self.shard != "parameters"
+
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Collective: inside, every managed parameter holds its full current value (gathered at
+        ``shard="parameters"``, released again on the way out)."""
+        gathered = [b for b in self._blocks if not b.resident]
+        for block in gathered:
+            block.gather()
+        try:
+            yield
+        finally:
+            for block in gathered:
+                block.release()
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        with self.unsharded():
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def gather_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full one-device weights of ``model`` (collective): :meth:`model_state_dict`."""
+        return self.model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        with self.unsharded():
+            model.load_state_dict(state)
+            for block in self._blocks:
+                block.refresh_shards()
+
+    def _optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        self.prepare_optimizer(optimizer)
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The one-device optimizer state (collective): per-element state gathered from every rank."""
+        params = self._optimizer_params(optimizer)
+        saved = optimizer.state_dict()
+        full: dict[int, dict[str, Any]] = {}
+        for index, state in saved["state"].items():
+            block = self._shard_to_block.get(id(params[index]))
+            if block is None:
+                full[index] = state
+                continue
+            i = next(j for j, s in enumerate(block.shards) if s is params[index])
+            full[index] = {k: self._gather_state(block, i, k, v) for k, v in state.items()}
+        return {"state": full, "param_groups": saved["param_groups"]}
+
+    def _gather_state(self, block: _Block, i: int, key: str, value: Any) -> Any:
+        if not _is_per_element(key, value, block.shards[i].shape):
+            return value
+        layout = block.layout
+        gathered = value.new_empty(layout.world_size * layout.chunks[i])
+        self.collectives.all_gather_into(gathered, value.contiguous(), name="sharded.gather_optimizer_state")
+        return gathered[: layout.numel(i)].view(layout.shapes[i]).clone()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a one-device optimizer state, keeping this rank's chunk of per-element state."""
+        params = self._optimizer_params(optimizer)
+        mine: dict[int, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            block = self._shard_to_block.get(id(params[int(index)]))
+            if block is None:
+                mine[index] = entry
+                continue
+            i = next(j for j, s in enumerate(block.shards) if s is params[int(index)])
+            mine[index] = {k: self._chunk_state(block, i, k, v) for k, v in entry.items()}
+        optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes this rank holds: the model's parameters (0 for released ones) and its shards; the
+        model's and the shards' gradients and the all-reduce buffers; ``optimizer``'s state."""
+        seen: set[int] = set()
+        shards = [s for b in self._blocks for s in b.shards]
+        params = storage_bytes([*self.managed_parameters, *(b.flat_shard for b in self._blocks)], seen)
+        grads = storage_bytes(
+            [
+                *(p.grad for p in self.managed_parameters),
+                *(s.grad for s in shards),
+                *(b.grad_buffer for b in self._blocks),
+            ],
+            seen,
+        )
+        state = storage_bytes(optimizer_state_tensors(optimizer), seen)
+        return MemoryReport(parameter_bytes=params, gradient_bytes=grads, optimizer_state_bytes=state)
+
+    def close(self) -> None:
+        self._pre_step_hook.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether an optimizer state entry has one value per parameter element (momentum, moments);
+    ``step`` counts are shared even for a 0-dim parameter."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
+
+
+def _blocks_by_module(params: list[nn.Parameter], modules: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """One block per module holding new parameters of its own (first holder wins a tied weight);
+    each parameter gets a storage of its own, released and regrown alone."""
+    new = {id(p) for p in params}
+    blocks: list[list[nn.Parameter]] = []
+    owned: set[int] = set()
+    for module in modules:
+        mine = [p for p in module._parameters.values() if p is not None and id(p) in new and id(p) not in owned]
+        for p in mine:
+            owned.add(id(p))
+            if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+                p.data = p.detach().clone()
+        if mine:
+            blocks.append(mine)
+    if len(owned) != len(new):
+        raise SpreadError("ShardedStrategy(shard='parameters'): a new parameter belongs to no module")
+    return blocks
+
+
+def _blocks_by_size(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one device and dtype, at most ``cap_bytes`` a block (unless one
+    parameter alone is larger)."""
+    blocks: list[list[nn.Parameter]] = []
+    open_by_key: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+    for p in params:
+        key = (p.device, p.dtype)
+        nbytes = p.numel() * p.element_size()
+        current = open_by_key.get(key)
+        if current is None or (current[1] + nbytes > cap_bytes and current[0]):
+            current = ([], 0)
+            blocks.append(current[0])
+        current[0].append(p)
+        open_by_key[key] = (current[0], current[1] + nbytes)
+    return blocks
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

@@ -1,0 +1,214 @@
+"""ShardedStrategy equals one device on the same global batch at every ZeRO stage (custom loop, Trainer
+with clipping and accumulation, uneven final batches), gathers the one-device state for checkpoints,
+and holds ~1/N of MultiWorkerMirrored's model state per rank at ``shard="parameters"``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _equivalence_cases import (
+    GLOBAL_BATCH,
+    STEPS,
+    make_data,
+    make_model,
+    make_optimizer,
+    max_relative_difference,
+)
+from torch import nn
+
+import spread
+from spread.memory import micro_batches
+from spread.testing import run_ranks
+
+STAGES = ("optimizer", "gradients", "parameters")
+OPTIMIZERS = ("sgd_momentum", "adamw")
+TOLERANCE = 1e-5
+WORLD = 2
+
+
+def custom_loop(strategy, optimizer_name: str, *, init_seed: int = 0, accumulate: int = 1) -> dict:
+    """The equivalence spine's custom loop (20 steps, two uneven final batches); with ``accumulate``,
+    each replica's slice runs as that many micro-batches, all but the last under ``no_sync``."""
+    with strategy.scope():
+        model = make_model(init_seed)
+        optimizer = make_optimizer(optimizer_name, model)
+    loss_fn = nn.CrossEntropyLoss()
+    dataset = strategy.distribute_dataset(make_data(), GLOBAL_BATCH, shuffle=True, seed=7)
+
+    def step_fn(x, y):
+        for micro in micro_batches((x, y), accumulate, strategy=strategy):
+            mx, my = micro.data
+            micro.backward(loss_fn(model(mx), my))
+
+    steps = 0
+    while steps < STEPS:
+        for x, y in dataset:
+            optimizer.zero_grad()
+            strategy.run(step_fn, args=(x, y))
+            optimizer.step()
+            steps += 1
+            if steps == STEPS:
+                break
+    return {
+        "weights": strategy.model_state_dict(model),
+        "optimizer": strategy.optimizer_state_dict(optimizer),
+    }
+
+
+def fit(strategy, feature: str, *, init_seed: int = 0) -> dict:
+    with strategy.scope():
+        model = make_model(init_seed)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    options: dict = {"clip_grad_norm": 0.3} if feature == "clip_norm" else {}
+    if feature == "clip_value_accumulate":
+        options = {"clip_grad_value": 0.02, "accumulation_steps": 2}
+    trainer = spread.Trainer(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        strategy=strategy,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
+        scheduler_interval="step",
+        **options,
+    )
+    history = trainer.fit(make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0)
+    return {"weights": strategy.model_state_dict(model), "history": history.history}
+
+
+FEATURES = ("clip_norm", "clip_value_accumulate")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    one = spread.OneDeviceStrategy("cpu")
+    return {
+        "loop": {name: custom_loop(one, name) for name in OPTIMIZERS},
+        "fit": {f: fit(one, f) for f in FEATURES},
+    }
+
+
+def test_bad_shard_value_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"shard must be one of .*'optimizer'.*got 'zero3'"):
+        spread.ShardedStrategy(shard="zero3")
+
+
+def test_registered_by_name():
+    assert spread.strategies.STRATEGIES["sharded"] is spread.ShardedStrategy
+
+
+def _every_stage(stages: tuple[str, ...], job) -> dict:
+    """Run ``job(strategy)`` under each stage; the first strategy owns the process group."""
+    rank = int(os.environ["RANK"])
+    out = {}
+    owner = None
+    try:
+        for stage in stages:
+            strategy = spread.ShardedStrategy(shard=stage)
+            owner = owner or strategy
+            out[stage] = job(strategy, rank)
+            if strategy is not owner:
+                strategy.close()
+        return out
+    finally:
+        if owner is not None:
+            owner.close()
+
+
+def _loop_job(strategy, rank: int) -> dict:
+    # Non-chief ranks start from other weights: the chief's must win.
+    return {
+        name: custom_loop(strategy, name, init_seed=rank * 101, accumulate=1 + (name == "adamw"))
+        for name in OPTIMIZERS
+    }
+
+
+def _assert_same_optimizer_state(got: dict, expected: dict, who: str) -> None:
+    assert got["param_groups"] == expected["param_groups"], who
+    assert got["state"].keys() == expected["state"].keys(), who
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            mine = got["state"][index][key]
+            assert mine.shape == value.shape, f"{who} state[{index}][{key}]"
+            scale = value.abs().max().clamp_min(1e-12)
+            diff = float((mine - value).abs().max() / scale)
+            assert diff <= 1e-4, f"{who} state[{index}][{key}]: {diff:.2e}"
+
+
+@pytest.mark.processes
+def test_custom_loop_equals_one_device_at_every_stage(reference):
+    """SGD+momentum and AdamW (the latter with 2 micro-batches under no_sync), uneven final batches;
+    the gathered optimizer state is one device's too."""
+    per_rank = run_ranks(_every_stage, WORLD, args=(STAGES, _loop_job), timeout=240)
+    for rank, stages in enumerate(per_rank):
+        for stage, results in stages.items():
+            for name in OPTIMIZERS:
+                who = f"rank {rank}, shard={stage}, {name}"
+                expected = reference["loop"][name]
+                diff = max_relative_difference(results[name]["weights"], expected["weights"])
+                assert diff <= TOLERANCE, f"{who}: max relative weight difference {diff:.2e}"
+                _assert_same_optimizer_state(results[name]["optimizer"], expected["optimizer"], who)
+
+
+def _fit_job(strategy, rank: int) -> dict:
+    return {f: fit(strategy, f, init_seed=rank * 101) for f in FEATURES}
+
+
+@pytest.mark.processes
+def test_trainer_fit_with_clipping_and_accumulation_equals_one_device(reference):
+    per_rank = run_ranks(_every_stage, WORLD, args=(STAGES, _fit_job), timeout=240)
+    for rank, stages in enumerate(per_rank):
+        for stage, results in stages.items():
+            for feature in FEATURES:
+                who = f"rank {rank}, shard={stage}, {feature}"
+                expected = reference["fit"][feature]
+                diff = max_relative_difference(results[feature]["weights"], expected["weights"])
+                assert diff <= TOLERANCE, f"{who}: max relative weight difference {diff:.2e}"
+                for key, values in expected["history"].items():
+                    assert results[feature]["history"][key] == pytest.approx(values, rel=1e-5), who
+
+
+def _memory_job(strategy) -> dict:
+    """Model-state bytes after one AdamW step (before zero_grad: gradients still held)."""
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = strategy.prepare_optimizer(optimizer)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    strategy.run(lambda: nn.functional.cross_entropy(model(x), y).backward())
+    optimizer.step()
+    report = strategy.memory_report(optimizer)
+    return {
+        "parameters": report.parameter_bytes,
+        "gradients": report.gradient_bytes,
+        "optimizer_state": report.optimizer_state_bytes,
+        "model_state": report.model_state_bytes,
+    }
+
+
+def _memory_every_kind() -> dict:
+    owner = spread.MultiWorkerMirroredStrategy()  # owns the process group; the others reuse it
+    try:
+        out = {"mirrored": _memory_job(owner)}
+        for stage in STAGES:
+            with spread.ShardedStrategy(stage) as strategy:
+                out[stage] = _memory_job(strategy)
+        return out
+    finally:
+        owner.close()
+
+
+@pytest.mark.processes
+def test_memory_report_shrinks_with_each_stage():
+    per_rank = run_ranks(_memory_every_kind, WORLD, timeout=180)
+    for rank, reports in enumerate(per_rank):
+        mirrored, zero1, zero2, zero3 = (reports[k] for k in ("mirrored", *STAGES))
+        # AdamW's two moments plus the step counts: about 2x the parameters' bytes.
+        assert mirrored["optimizer_state"] >= 2 * mirrored["parameters"]
+        assert zero1["optimizer_state"] < 0.55 * mirrored["optimizer_state"], rank
+        assert zero2["gradients"] < 0.55 * zero1["gradients"], rank
+        assert zero3["parameters"] < 0.55 * zero2["parameters"], rank
+        ratio = zero3["model_state"] / mirrored["model_state"]
+        assert ratio < 1 / WORLD + 0.05, f"rank {rank}: shard='parameters' holds {ratio:.2f} of mirrored's"
