@@ -155,11 +155,11 @@ class Collectives:
         self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
     ) -> torch.Tensor:
         """Sum ``tensor`` (``world_size`` equal rows, flat) over ranks; this rank's row lands in
-        ``output``. On gloo, torch 2.13's ``reduce_scatter_tensor`` is supported (checked)."""
+        ``output``. Gloo supports it in torch 2.13 (checked)."""
         if self.world_size == 1:
             return output.copy_(tensor.view(-1))
         with self._guard(name):
-            dist.reduce_scatter_tensor(output, tensor, group=self.group)
+            dist.reduce_scatter_single(output, tensor, group=self.group)
         return output
 
     def all_gather_into(

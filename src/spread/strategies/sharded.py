@@ -168,7 +168,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             collective each); at ``"parameters"`` a block is one module's parameters.
         init_timeout, collective_timeout, sync_batchnorm: as for MultiWorkerMirroredStrategy.
 
-    Collectives are torch.distributed's ``reduce_scatter_tensor`` and ``all_gather_single`` (both
+    Collectives are torch.distributed's ``reduce_scatter_single`` and ``all_gather_single`` (both
     supported by gloo in torch 2.13) and ``all_reduce`` at ``"optimizer"``; buffers (BatchNorm
     statistics) are not sharded and are averaged after each step as with MultiWorkerMirrored.
     """
