@@ -20,6 +20,7 @@ from torch import nn
 
 import spread
 from spread.memory import micro_batches
+from spread.train.callbacks import BackupAndRestore, Callback
 from spread.testing import run_ranks
 
 STAGES = ("optimizer", "gradients", "parameters")
@@ -212,3 +213,47 @@ def test_memory_report_shrinks_with_each_stage():
         assert zero3["parameters"] < 0.55 * zero2["parameters"], rank
         ratio = zero3["model_state"] / mirrored["model_state"]
         assert ratio < 1 / WORLD + 0.05, f"rank {rank}: shard='parameters' holds {ratio:.2f} of mirrored's"
+
+
+class _Crash(Callback):
+    """Every rank raises at the same global step: a crash after some backups were written."""
+
+    def on_train_batch_end(self, step, logs=None):
+        if self.trainer.global_step == 10:
+            raise RuntimeError("simulated crash")
+
+
+def _fit_with_backup(strategy, backup_dir: str, *, init_seed: int, crash: bool = False) -> dict:
+    with strategy.scope():
+        model = make_model(init_seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    callbacks = [BackupAndRestore(backup_dir, save_freq=3), *([_Crash()] if crash else [])]
+    trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=callbacks)
+    trainer.fit(make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0)
+    return strategy.model_state_dict(model)
+
+
+def _backup_job(root: str):
+    def job(strategy, rank: int) -> dict:
+        stage = strategy.shard
+        uninterrupted = _fit_with_backup(strategy, f"{root}/{stage}-ref", init_seed=0)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _fit_with_backup(strategy, f"{root}/{stage}-run", init_seed=0, crash=True)
+        resumed = _fit_with_backup(strategy, f"{root}/{stage}-run", init_seed=5 + rank)
+        return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+    return job
+
+
+def _every_stage_backup(root: str) -> dict:
+    return _every_stage(STAGES, _backup_job(root))
+
+
+@pytest.mark.processes
+def test_backup_and_restore_resumes_exactly_at_every_stage(tmp_path):
+    """The backup holds the gathered one-device state; restoring cuts it back into shards."""
+    per_rank = run_ranks(_every_stage_backup, WORLD, args=(str(tmp_path),), timeout=240)
+    for rank, stages in enumerate(per_rank):
+        for stage, result in stages.items():
+            for key, value in result["uninterrupted"].items():
+                assert torch.equal(result["resumed"][key], value), f"rank {rank}, shard={stage}, {key}"

@@ -413,6 +413,11 @@ class Strategy(abc.ABC):
         (sharded data parallelism) keeps its part."""
         optimizer.load_state_dict(dict(state))
 
+    def optimizer_parameter_shapes(self, optimizer: torch.optim.Optimizer) -> list[torch.Size]:
+        """The one-device shape of each parameter ``optimizer`` steps, in group order (what its
+        :meth:`optimizer_state_dict` state is shaped by). Default: the parameters' own shapes."""
+        return [p.shape for group in optimizer.param_groups for p in group["params"]]
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make an optimizer over managed parameters fit this strategy; returns the same object.
         ``Trainer`` calls it. Default: nothing to do. A strategy whose optimizer must step something

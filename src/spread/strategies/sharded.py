@@ -442,6 +442,13 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             for block in self._blocks:
                 block.refresh_shards()
 
+    def optimizer_parameter_shapes(self, optimizer: torch.optim.Optimizer) -> list[torch.Size]:
+        shapes = []
+        for p in self._optimizer_params(optimizer):
+            block = self._shard_to_block.get(id(p))
+            shapes.append(block.layout.shapes[_index_in(block, p)] if block is not None else p.shape)
+        return shapes
+
     def _optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         self.prepare_optimizer(optimizer)
         return [p for group in optimizer.param_groups for p in group["params"]]
@@ -456,7 +463,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             if block is None:
                 full[index] = state
                 continue
-            i = next(j for j, s in enumerate(block.shards) if s is params[index])
+            i = _index_in(block, params[index])
             full[index] = {k: self._gather_state(block, i, k, v) for k, v in state.items()}
         return {"state": full, "param_groups": saved["param_groups"]}
 
@@ -477,7 +484,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             if block is None:
                 mine[index] = entry
                 continue
-            i = next(j for j, s in enumerate(block.shards) if s is params[int(index)])
+            i = _index_in(block, params[int(index)])
             mine[index] = {k: self._chunk_state(block, i, k, v) for k, v in entry.items()}
         optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
 
@@ -508,6 +515,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     def __repr__(self) -> str:
         return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _index_in(block: _Block, shard: torch.Tensor) -> int:
+    return next(j for j, s in enumerate(block.shards) if s is shard)
 
 
 def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
