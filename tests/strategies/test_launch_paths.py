@@ -144,9 +144,13 @@ def test_every_launch_path_trains_like_one_device(start, one_device, tmp_path: P
 
 
 @pytest.mark.parametrize(
-    "start", [_plain_python, _bare_torchrun_variables, _torchrun, _spread_run], ids=lambda f: f.__name__.strip("_")
+    "start",
+    [_plain_python, _bare_torchrun_variables, _torchrun, _spread_run],
+    ids=lambda f: f.__name__.strip("_"),
 )
-def test_sharded_strategy_starts_every_way_and_trains_like_one_device(start, one_device, tmp_path: Path) -> None:
+def test_sharded_strategy_starts_every_way_and_trains_like_one_device(
+    start, one_device, tmp_path: Path
+) -> None:
     """ShardedStrategy(shard="parameters") joins the job the way MultiWorkerMirrored does."""
     out = tmp_path / "weights.pt"
     start(out, ("--sharded",))

@@ -5,6 +5,7 @@ and holds ~1/N of MultiWorkerMirrored's model state per rank at ``shard="paramet
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ from torch import nn
 
 import spread
 from spread.memory import micro_batches
+from spread.testing import launch_ranks, run_ranks
 from spread.train.callbacks import BackupAndRestore, Callback
-from spread.testing import run_ranks
 
 STAGES = ("optimizer", "gradients", "parameters")
 OPTIMIZERS = ("sgd_momentum", "adamw")
@@ -174,7 +175,9 @@ def _memory_job(strategy) -> dict:
     """Model-state bytes after one AdamW step (before zero_grad: gradients still held)."""
     with strategy.scope():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        model = nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer = strategy.prepare_optimizer(optimizer)
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
@@ -257,3 +260,27 @@ def test_backup_and_restore_resumes_exactly_at_every_stage(tmp_path):
         for stage, result in stages.items():
             for key, value in result["uninterrupted"].items():
                 assert torch.equal(result["resumed"][key], value), f"rank {rank}, shard={stage}, {key}"
+
+
+def _rank_1_skips_the_step() -> None:
+    """Rank 1 never steps (so never joins the parameters' all-gather) but stays alive."""
+    rank = int(os.environ["RANK"])
+    strategy = spread.ShardedStrategy("gradients")
+    with strategy.scope():
+        model = make_model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 10), torch.randint(0, 3, (4,))
+    strategy.run(lambda: nn.functional.cross_entropy(model(x), y).backward())
+    if rank == 1:
+        time.sleep(8)
+        return
+    optimizer.step()
+
+
+@pytest.mark.processes
+def test_a_stuck_collective_fails_naming_rank_and_operation():
+    results = launch_ranks(
+        _rank_1_skips_the_step, WORLD, collective_timeout=3, fail_fast_grace=30, timeout=90
+    )
+    error = results[0].error or ""
+    assert error.startswith("CollectiveTimeout: rank 0: sharded.all_gather_parameters"), results[0].describe()

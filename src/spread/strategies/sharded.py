@@ -98,7 +98,7 @@ class _Block:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 storage = p.untyped_storage()
-                needed = (p.storage_offset() + p.numel()) * p.element_size()
+                needed = int(p.storage_offset() + p.numel()) * p.element_size()
                 if storage.nbytes() < needed:
                     storage.resize_(needed)
                 # Through .data: autograd's version counter stays, so a backward that saved ``p``
@@ -275,7 +275,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         order = self._blocks[::-1]
-        while self._next_reduce < len(order) and len(order[self._next_reduce].ready) >= order[self._next_reduce].trainable:
+        while (
+            self._next_reduce < len(order)
+            and len(order[self._next_reduce].ready) >= order[self._next_reduce].trainable
+        ):
             self._finish_block(order[self._next_reduce])
             self._next_reduce += 1
 
@@ -534,7 +537,9 @@ def _blocks_by_module(params: list[nn.Parameter], modules: list[nn.Module]) -> l
     blocks: list[list[nn.Parameter]] = []
     owned: set[int] = set()
     for module in modules:
-        mine = [p for p in module._parameters.values() if p is not None and id(p) in new and id(p) not in owned]
+        mine = [
+            p for p in module._parameters.values() if p is not None and id(p) in new and id(p) not in owned
+        ]
         for p in mine:
             owned.add(id(p))
             if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():

@@ -250,7 +250,9 @@ class BackupAndRestore(Callback):
                 problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
         problems += tensor_mismatches(state["model"], trainer.model.state_dict())
         problems += optimizer_mismatches(
-            state["optimizer"], trainer.optimizer, trainer.strategy.optimizer_parameter_shapes(trainer.optimizer)
+            state["optimizer"],
+            trainer.optimizer,
+            trainer.strategy.optimizer_parameter_shapes(trainer.optimizer),
         )
         where = self.manager.directory / f"ckpt-{step:010d}"
         raise_if(problems, str(where), "model, optimizer and strategy")
