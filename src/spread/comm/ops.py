@@ -173,6 +173,36 @@ class Collectives:
             dist.all_gather_single(output, tensor, group=self.group)
         return output
 
+    def reduce_scatter_async(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
+    ) -> PendingCollective:
+        """Start :meth:`reduce_scatter`; ``wait()`` before reading ``output``."""
+        seq = next(self._seq)
+        if self.world_size == 1:
+            output.copy_(tensor.view(-1))
+            return PendingCollective(None, self.rank, name, seq)
+        self._check_open(name, seq)
+        try:
+            work = dist.reduce_scatter_single(output, tensor, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise classify_error(self.rank, name, seq, exc) from exc
+        return PendingCollective(work, self.rank, name, seq)
+
+    def all_gather_into_async(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "all_gather_into"
+    ) -> PendingCollective:
+        """Start :meth:`all_gather_into`; ``wait()`` before reading ``output``."""
+        seq = next(self._seq)
+        if self.world_size == 1:
+            output.copy_(tensor.view(-1))
+            return PendingCollective(None, self.rank, name, seq)
+        self._check_open(name, seq)
+        try:
+            work = dist.all_gather_single(output, tensor, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise classify_error(self.rank, name, seq, exc) from exc
+        return PendingCollective(work, self.rank, name, seq)
+
     def barrier(self, *, name: str = "barrier") -> None:
         if self.world_size == 1:
             return

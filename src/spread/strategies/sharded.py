@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from spread.cluster import ClusterSpec
-from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives
+from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, PendingCollective
 from spread.comm.sharding import ShardLayout
 from spread.data import StepInfo
 from spread.errors import SpreadError
@@ -88,13 +88,32 @@ class _Block:
         self.grad_buffer: torch.Tensor | None = None  # "optimizer": the all-reduce's, kept
         self.resident = True  # whether the model's parameters hold their full values
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
+        self._gathering: tuple[PendingCollective, torch.Tensor] | None = None  # a prefetch in flight
+        self._reducing: tuple[PendingCollective, torch.Tensor, list[bool]] | None = None
 
     # -- parameters --------------------------------------------------------------------------------
-    def gather(self) -> None:
-        """Collective: every rank's chunks into the model's parameters (materialised first)."""
+    def start_gather(self) -> None:
+        """Collective, asynchronous: start gathering every rank's chunks (a prefetch); a no-op when
+        the parameters are resident or a gather is in flight."""
+        if self.resident or self._gathering is not None:
+            return
         layout = self.layout
         gathered = self.flat_shard.new_empty(layout.world_size * layout.shard_numel)
-        self.collectives.all_gather_into(gathered, self.flat_shard, name="sharded.all_gather_parameters")
+        pending = self.collectives.all_gather_into_async(
+            gathered, self.flat_shard, name="sharded.all_gather_parameters"
+        )
+        self._gathering = (pending, gathered)
+
+    def gather(self) -> None:
+        """Make the model's parameters hold their full values (the collective, unless a prefetch
+        started it already, then copy out)."""
+        if self.resident:
+            return
+        self.start_gather()
+        assert self._gathering is not None
+        pending, gathered = self._gathering
+        self._gathering = None
+        pending.wait()
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 storage = p.untyped_storage()
@@ -103,14 +122,22 @@ class _Block:
                     storage.resize_(needed)
                 # Through .data: autograd's version counter stays, so a backward that saved ``p``
                 # in forward (and finds it released and gathered again) accepts it.
-                layout.unpack_into(gathered, i, p.data)
+                self.layout.unpack_into(gathered, i, p.data)
         self.resident = True
 
     def release(self) -> None:
-        """Free the model parameters' storage (shapes stay; values are gone until :meth:`gather`)."""
+        """Free the model parameters' storage (shapes stay; values are gone until :meth:`gather`).
+        A prefetch in flight is completed first (every rank issued it)."""
+        if self._gathering is not None:
+            self.gather()
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.resident = False
+
+    @property
+    def gathering(self) -> bool:
+        """Whether a prefetch of this block is in flight."""
+        return self._gathering is not None
 
     def refresh_shards(self) -> None:
         """Take this rank's chunks from the model's (resident) parameters, e.g. after a load."""
@@ -119,9 +146,10 @@ class _Block:
                 self.shards[i].copy_(self.layout.chunk_of(i, p, self.collectives.rank))
 
     # -- gradients ---------------------------------------------------------------------------------
-    def reduce(self, grad_scale: float) -> None:
-        """Collective: the model's ``.grad`` (times ``grad_scale``), summed over ranks, added to the
-        shards' ``.grad`` (chunk of this rank); the model's ``.grad`` become ``None``."""
+    def start_reduce(self, grad_scale: float) -> None:
+        """Collective, asynchronous: the model's ``.grad`` times ``grad_scale`` are packed and their
+        sum over ranks started (all-reduce at ``"optimizer"``, else reduce-scatter); the model's
+        ``.grad`` become ``None``. :meth:`finish_reduce` adds the result to the shards' ``.grad``."""
         layout, world = self.layout, self.collectives.world_size
         grads = [p.grad for p in self.params]
         if any(g is not None and g.is_sparse for g in grads):
@@ -134,15 +162,27 @@ class _Block:
             packed = self.flat_shard.new_empty(world * layout.row_numel)
         layout.pack(grads, packed, grad_scale)
         rows = packed.view(world, layout.row_numel)
-        s = layout.shard_numel
-        rows[:, s:] = torch.tensor([g is not None for g in grads], dtype=packed.dtype)  # presence flags
+        # A presence flag per parameter in every row: each rank learns which got a gradient anywhere.
+        present = [g is not None for g in grads]
+        rows[:, layout.shard_numel :] = torch.tensor(present, dtype=packed.dtype)
+        for p in self.params:
+            p.grad = None
         if self.shard == "optimizer":
-            self.collectives.all_reduce(packed, name="sharded.grad_all_reduce")
+            pending = self.collectives.all_reduce_async(packed, name="sharded.grad_all_reduce")
             mine = rows[self.collectives.rank]
         else:
             mine = packed.new_empty(layout.row_numel)
-            self.collectives.reduce_scatter(mine, packed, name="sharded.grad_reduce_scatter")
-        present = mine[s:].tolist()
+            pending = self.collectives.reduce_scatter_async(mine, packed, name="sharded.grad_reduce_scatter")
+        self._reducing = (pending, mine, present)
+
+    def finish_reduce(self) -> None:
+        if self._reducing is None:
+            return
+        pending, mine, _ = self._reducing
+        self._reducing = None
+        pending.wait()
+        layout = self.layout
+        present = mine[layout.shard_numel :].tolist()
         for i, shard in enumerate(self.shards):
             if present[i] <= 0:
                 continue  # no rank produced a gradient for it: as on one device, it keeps none
@@ -152,8 +192,6 @@ class _Block:
                 shard.grad = grad.clone() if self.shard == "optimizer" else grad
             else:
                 shard.grad.add_(grad)
-        for p in self.params:
-            p.grad = None
 
 
 class ShardedStrategy(MultiWorkerMirroredStrategy):
@@ -206,6 +244,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._sync = True
         self._queued = False
         self._next_reduce = 0  # index into the reverse block order of the next block to reduce
+        # "parameters": blocks in the order the first training forward used them, then which block
+        # to prefetch after each one in forward and in backward (None until recorded).
+        self._forward_order: list[_Block] = []
+        self._next_in_forward: dict[int, _Block] | None = None
+        self._next_in_backward: dict[int, _Block] | None = None
         self._pre_step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     # -- variables ---------------------------------------------------------------------------------
@@ -250,7 +293,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             block.release()
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self._gather(self._module_blocks[module])
+        blocks = self._module_blocks[module]
+        if self._next_in_forward is None:
+            for block in blocks:  # the first training step records the order blocks are used in
+                if all(b is not block for b in self._forward_order):
+                    self._forward_order.append(block)
+        self._gather(blocks)
+        if self._next_in_forward is not None and (ahead := self._next_in_forward.get(id(blocks[-1]))):
+            ahead.start_gather()  # prefetch: its all-gather overlaps this module's forward
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         blocks = self._module_blocks[module]
@@ -258,14 +308,18 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             needing = [t for t in _tensors(output) if t.requires_grad]
             if needing:
                 # Backward reaches this module's outputs before it needs the parameters it saved.
-                register_multi_grad_hook(needing, lambda grad: self._gather(blocks), mode="any")
+                register_multi_grad_hook(needing, lambda grad: self._gather_for_backward(blocks), mode="any")
         for block in blocks:
             block.release()
 
+    def _gather_for_backward(self, blocks: Sequence[_Block]) -> None:
+        self._gather(blocks)
+        if self._next_in_backward is not None and (ahead := self._next_in_backward.get(id(blocks[0]))):
+            ahead.start_gather()  # prefetch the block backward reaches next
+
     def _gather(self, blocks: Sequence[_Block]) -> None:
         for block in blocks:
-            if not block.resident:
-                block.gather()
+            block.gather()
 
     # -- gradients ---------------------------------------------------------------------------------
     def _after_accumulate(self, p: torch.Tensor) -> None:
@@ -279,12 +333,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self._next_reduce < len(order)
             and len(order[self._next_reduce].ready) >= order[self._next_reduce].trainable
         ):
-            self._finish_block(order[self._next_reduce])
+            self._start_block(order[self._next_reduce])
             self._next_reduce += 1
 
-    def _finish_block(self, block: _Block) -> None:
+    def _start_block(self, block: _Block) -> None:
+        """A block's gradients are complete: start its reduction (it overlaps the rest of backward);
+        at ``"parameters"`` its full parameters are not needed any more."""
         if self._sync and block.trainable:
-            block.reduce(self._grad_scale)
+            block.start_reduce(self._grad_scale)
         if self.shard == "parameters" and block.resident and block.trainable:
             block.release()  # a frozen block's backward may still come: released at the end
 
@@ -292,13 +348,19 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._queued = False
         try:
             for block in self._blocks[::-1][self._next_reduce :]:
-                self._finish_block(block)
+                self._start_block(block)
+            for block in self._blocks[::-1]:
+                block.finish_reduce()
         finally:
             self._next_reduce = 0
             for block in self._blocks:
                 block.ready.clear()
-                if self.shard == "parameters" and block.resident:
-                    block.release()  # e.g. a frozen module's, gathered for its backward
+                if self.shard == "parameters" and (block.resident or block.gathering):
+                    block.release()  # a frozen module's, or a prefetch nobody used
+            if self._next_in_forward is None and self._forward_order:
+                order = self._forward_order
+                self._next_in_forward = {id(a): b for a, b in zip(order, order[1:], strict=False)}
+                self._next_in_backward = {id(b): a for a, b in zip(order, order[1:], strict=False)}
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -382,6 +444,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         return value
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for block in self._blocks:
+            if block.gathering:  # a prefetch must not read shards the step is changing
+                block.release()
         if optimizer not in self._prepared and any(
             id(p) in self._block_of for group in optimizer.param_groups for p in group["params"]
         ):
@@ -398,12 +463,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         }
         if not stepped:
             return
-        for block in self._blocks:
-            if id(block) not in stepped:
-                continue
+        blocks = [b for b in self._blocks if id(b) in stepped]
+        for block in blocks:
+            block.resident = False  # the step changed the shards: the model's values are stale
+            if self.shard != "parameters":
+                block.start_gather()  # every block's all-gather in flight at once
+        for block in blocks:
             if self.shard == "parameters":
-                if block.resident:
-                    block.release()  # stale now; the next forward gathers the new values
+                block.release()  # the next forward gathers the new values
             else:
                 block.gather()
         if self._buffers is not None:
