@@ -48,6 +48,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -359,8 +360,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                     block.release()  # a frozen module's, or a prefetch nobody used
             if self._next_in_forward is None and self._forward_order:
                 order = self._forward_order
-                self._next_in_forward = {id(a): b for a, b in zip(order, order[1:], strict=False)}
-                self._next_in_backward = {id(b): a for a, b in zip(order, order[1:], strict=False)}
+                self._next_in_forward = {id(a): b for a, b in pairwise(order)}
+                self._next_in_backward = {id(b): a for a, b in pairwise(order)}
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
