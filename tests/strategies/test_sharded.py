@@ -22,7 +22,7 @@ from torch import nn
 import spread
 from spread.memory import micro_batches
 from spread.testing import launch_ranks, run_ranks
-from spread.train.callbacks import BackupAndRestore, Callback
+from spread.train.callbacks import BackupAndRestore, Callback, EarlyStopping
 
 STAGES = ("optimizer", "gradients", "parameters")
 OPTIMIZERS = ("sgd_momentum", "adamw")
@@ -66,6 +66,10 @@ def fit(strategy, feature: str, *, init_seed: int = 0) -> dict:
     options: dict = {"clip_grad_norm": 0.3} if feature == "clip_norm" else {}
     if feature == "clip_value_accumulate":
         options = {"clip_grad_value": 0.02, "accumulation_steps": 2}
+    callbacks = []
+    if feature == "restore_best_weights":
+        # mode="max": epoch 1's (higher) loss counts as best, so its weights come back at the end.
+        callbacks = [EarlyStopping(monitor="loss", mode="max", patience=5, restore_best_weights=True)]
     trainer = spread.Trainer(
         model,
         optimizer,
@@ -73,13 +77,14 @@ def fit(strategy, feature: str, *, init_seed: int = 0) -> dict:
         strategy=strategy,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
         scheduler_interval="step",
+        callbacks=callbacks,
         **options,
     )
     history = trainer.fit(make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0)
     return {"weights": strategy.model_state_dict(model), "history": history.history}
 
 
-FEATURES = ("clip_norm", "clip_value_accumulate")
+FEATURES = ("clip_norm", "clip_value_accumulate", "restore_best_weights")
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,12 @@ class _Block:
         self.trainable = sum(p.requires_grad for p in params)
         self.grad_buffer: torch.Tensor | None = None  # "optimizer": the all-reduce's, kept
         self.resident = True  # whether the model's parameters hold their full values
+        # The tensors holding the full values (their storage is released and regrown: autograd's
+        # saved views of a parameter keep that storage), and what a released parameter shows
+        # meanwhile: zeros of its shape in one element of memory (shapes and parameter counts stay
+        # right; reading freed memory would crash; writing into it raises).
+        self.full = [p.data for p in params]
+        self._stand_ins = [p.data.new_zeros(1).expand(p.shape) for p in params]
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
         self._gathering: tuple[PendingCollective, torch.Tensor] | None = None  # a prefetch in flight
         self._reducing: tuple[PendingCollective, torch.Tensor, list[bool]] | None = None
@@ -116,23 +122,26 @@ class _Block:
         self._gathering = None
         pending.wait()
         with torch.no_grad():
-            for i, p in enumerate(self.params):
-                storage = p.untyped_storage()
-                needed = int(p.storage_offset() + p.numel()) * p.element_size()
+            for i, (p, full) in enumerate(zip(self.params, self.full, strict=True)):
+                storage = full.untyped_storage()
+                needed = int(full.storage_offset() + full.numel()) * full.element_size()
                 if storage.nbytes() < needed:
                     storage.resize_(needed)
-                # Through .data: autograd's version counter stays, so a backward that saved ``p``
-                # in forward (and finds it released and gathered again) accepts it.
-                self.layout.unpack_into(gathered, i, p.data)
+                self.layout.unpack_into(gathered, i, full)
+                if p.data.untyped_storage().data_ptr() != storage.data_ptr():
+                    # Through .data: the parameter object and its autograd version counter stay,
+                    # so a backward that saved it in forward finds its values again.
+                    p.data = full
         self.resident = True
 
     def release(self) -> None:
-        """Free the model parameters' storage (shapes stay; values are gone until :meth:`gather`).
+        """Free the full values' storage; the parameters read as zeros until :meth:`gather`.
         A prefetch in flight is completed first (every rank issued it)."""
         if self._gathering is not None:
             self.gather()
-        for p in self.params:
-            p.untyped_storage().resize_(0)
+        for p, full, stand_in in zip(self.params, self.full, self._stand_ins, strict=True):
+            p.data = stand_in
+            full.untyped_storage().resize_(0)
         self.resident = False
 
     @property
@@ -565,7 +574,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         model's and the shards' gradients and the all-reduce buffers; ``optimizer``'s state."""
         seen: set[int] = set()
         shards = [s for b in self._blocks for s in b.shards]
-        params = storage_bytes([*self.managed_parameters, *(b.flat_shard for b in self._blocks)], seen)
+        params = storage_bytes(
+            [
+                *self.managed_parameters,
+                *(f for b in self._blocks for f in b.full),
+                *(b.flat_shard for b in self._blocks),
+            ],
+            seen,
+        )
         grads = storage_bytes(
             [
                 *(p.grad for p in self.managed_parameters),
