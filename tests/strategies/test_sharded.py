@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+import _batchnorm_cases as bn_cases
 import pytest
 import torch
 from _equivalence_cases import (
@@ -289,3 +290,46 @@ def test_a_stuck_collective_fails_naming_rank_and_operation():
     )
     error = results[0].error or ""
     assert error.startswith("CollectiveTimeout: rank 0: sharded.all_gather_parameters"), results[0].describe()
+
+
+def _batchnorm_loop(strategy, init_seed: int) -> dict:
+    """The BatchNorm tests' CNN and loop (8 SGD steps, uneven final batches); weights and buffers."""
+    with strategy.scope():
+        model = bn_cases.make_model(init_seed)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    dataset = strategy.distribute_dataset(bn_cases.make_data(), bn_cases.GLOBAL_BATCH, shuffle=True, seed=3)
+    done = 0
+    while done < bn_cases.STEPS:
+        for x, y in dataset:
+            optimizer.zero_grad()
+            strategy.run(lambda x, y: loss_fn(model(x), y).backward(), args=(x, y))
+            optimizer.step()
+            done += 1
+            if done == bn_cases.STEPS:
+                break
+    return strategy.model_state_dict(model)
+
+
+def _batchnorm_every_stage() -> dict:
+    rank = int(os.environ["RANK"])
+    out = {}
+    owner = spread.ShardedStrategy(STAGES[0], sync_batchnorm=True)
+    try:
+        out[STAGES[0]] = _batchnorm_loop(owner, rank * 101)
+        for stage in STAGES[1:]:
+            with spread.ShardedStrategy(stage, sync_batchnorm=True) as strategy:
+                out[stage] = _batchnorm_loop(strategy, rank * 101)
+        return out
+    finally:
+        owner.close()
+
+
+@pytest.mark.processes
+def test_batchnorm_with_sync_batchnorm_equals_one_device_at_every_stage():
+    """Convolutions, BatchNorm layers (their parameters sharded, their buffers averaged)."""
+    expected = _batchnorm_loop(spread.OneDeviceStrategy("cpu"), 0)
+    for rank, stages in enumerate(run_ranks(_batchnorm_every_stage, WORLD, timeout=180)):
+        for stage, weights in stages.items():
+            diff = max_relative_difference(weights, expected)
+            assert diff <= TOLERANCE, f"rank {rank}, shard={stage}: max relative difference {diff:.2e}"
