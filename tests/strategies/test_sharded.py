@@ -26,6 +26,9 @@ from spread.testing import launch_ranks, run_ranks
 from spread.train.callbacks import BackupAndRestore, Callback, EarlyStopping
 
 STAGES = ("optimizer", "gradients", "parameters")
+# Every stage, and shard="parameters" with a unit per module holding parameters (a block gathered
+# and released around each Linear, prefetched in forward and backward).
+CONFIGS = (*STAGES, "parameters/modules")
 OPTIMIZERS = ("sgd_momentum", "adamw")
 TOLERANCE = 1e-5
 WORLD = 2
@@ -106,14 +109,19 @@ def test_registered_by_name():
     assert spread.strategies.STRATEGIES["sharded"] is spread.ShardedStrategy
 
 
-def _every_stage(stages: tuple[str, ...], job) -> dict:
-    """Run ``job(strategy)`` under each stage; the first strategy owns the process group."""
+def make_sharded(config: str, **options) -> spread.ShardedStrategy:
+    shard, _, units = config.partition("/")
+    return spread.ShardedStrategy(shard=shard, units=units or "model", **options)
+
+
+def _every_stage(configs: tuple[str, ...], job) -> dict:
+    """Run ``job(strategy)`` under each configuration; the first strategy owns the process group."""
     rank = int(os.environ["RANK"])
     out = {}
     owner = None
     try:
-        for stage in stages:
-            strategy = spread.ShardedStrategy(shard=stage)
+        for stage in configs:
+            strategy = make_sharded(stage)
             owner = owner or strategy
             out[stage] = job(strategy, rank)
             if strategy is not owner:
@@ -148,7 +156,7 @@ def _assert_same_optimizer_state(got: dict, expected: dict, who: str) -> None:
 def test_custom_loop_equals_one_device_at_every_stage(reference):
     """SGD+momentum and AdamW (the latter with 2 micro-batches under no_sync), uneven final batches;
     the gathered optimizer state is one device's too."""
-    per_rank = run_ranks(_every_stage, WORLD, args=(STAGES, _loop_job), timeout=240)
+    per_rank = run_ranks(_every_stage, WORLD, args=(CONFIGS, _loop_job), timeout=240)
     for rank, stages in enumerate(per_rank):
         for stage, results in stages.items():
             for name in OPTIMIZERS:
@@ -165,7 +173,7 @@ def _fit_job(strategy, rank: int) -> dict:
 
 @pytest.mark.processes
 def test_trainer_fit_with_clipping_and_accumulation_equals_one_device(reference):
-    per_rank = run_ranks(_every_stage, WORLD, args=(STAGES, _fit_job), timeout=240)
+    per_rank = run_ranks(_every_stage, WORLD, args=(CONFIGS, _fit_job), timeout=240)
     for rank, stages in enumerate(per_rank):
         for stage, results in stages.items():
             for feature in FEATURES:
@@ -202,8 +210,8 @@ def _memory_every_kind() -> dict:
     owner = spread.MultiWorkerMirroredStrategy()  # owns the process group; the others reuse it
     try:
         out = {"mirrored": _memory_job(owner)}
-        for stage in STAGES:
-            with spread.ShardedStrategy(stage) as strategy:
+        for stage in CONFIGS:
+            with make_sharded(stage) as strategy:
                 out[stage] = _memory_job(strategy)
         return out
     finally:
@@ -214,7 +222,8 @@ def _memory_every_kind() -> dict:
 def test_memory_report_shrinks_with_each_stage():
     per_rank = run_ranks(_memory_every_kind, WORLD, timeout=180)
     for rank, reports in enumerate(per_rank):
-        mirrored, zero1, zero2, zero3 = (reports[k] for k in ("mirrored", *STAGES))
+        mirrored, zero1, zero2, zero3, per_module = (reports[k] for k in ("mirrored", *CONFIGS))
+        assert per_module == zero3, rank  # the same bytes between steps, whatever the units
         # AdamW's two moments plus the step counts: about 2x the parameters' bytes.
         assert mirrored["optimizer_state"] >= 2 * mirrored["parameters"]
         assert zero1["optimizer_state"] < 0.55 * mirrored["optimizer_state"], rank
@@ -244,7 +253,7 @@ def _fit_with_backup(strategy, backup_dir: str, *, init_seed: int, crash: bool =
 
 def _backup_job(root: str):
     def job(strategy, rank: int) -> dict:
-        stage = strategy.shard
+        stage = f"{strategy.shard}-{strategy.units}"
         uninterrupted = _fit_with_backup(strategy, f"{root}/{stage}-ref", init_seed=0)
         with pytest.raises(RuntimeError, match="simulated crash"):
             _fit_with_backup(strategy, f"{root}/{stage}-run", init_seed=0, crash=True)
@@ -255,7 +264,7 @@ def _backup_job(root: str):
 
 
 def _every_stage_backup(root: str) -> dict:
-    return _every_stage(STAGES, _backup_job(root))
+    return _every_stage(CONFIGS, _backup_job(root))
 
 
 @pytest.mark.processes
@@ -314,11 +323,11 @@ def _batchnorm_loop(strategy, init_seed: int) -> dict:
 def _batchnorm_every_stage() -> dict:
     rank = int(os.environ["RANK"])
     out = {}
-    owner = spread.ShardedStrategy(STAGES[0], sync_batchnorm=True)
+    owner = make_sharded(CONFIGS[0], sync_batchnorm=True)
     try:
-        out[STAGES[0]] = _batchnorm_loop(owner, rank * 101)
-        for stage in STAGES[1:]:
-            with spread.ShardedStrategy(stage, sync_batchnorm=True) as strategy:
+        out[CONFIGS[0]] = _batchnorm_loop(owner, rank * 101)
+        for stage in CONFIGS[1:]:
+            with make_sharded(stage, sync_batchnorm=True) as strategy:
                 out[stage] = _batchnorm_loop(strategy, rank * 101)
         return out
     finally:
@@ -333,3 +342,76 @@ def test_batchnorm_with_sync_batchnorm_equals_one_device_at_every_stage():
         for stage, weights in stages.items():
             diff = max_relative_difference(weights, expected)
             assert diff <= TOLERANCE, f"rank {rank}, shard={stage}: max relative difference {diff:.2e}"
+
+
+def test_bad_units_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"units must be 'model', 'modules' or .*got 'layers'"):
+        spread.ShardedStrategy(units="layers")
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.norm(h))
+
+
+class _TiedDecoder(nn.Module):
+    """W2's shape in small: embeddings, residual blocks, and an LM head tied to the embedding table
+    that the model reads in its own forward (not inside the embedding's)."""
+
+    def __init__(self, vocab: int = 29, d: int = 12, layers: int = 3) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*[_Block(d) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.blocks(self.tok(ids))) @ self.tok.weight.T
+
+
+def _decoder_loop(strategy, init_seed: int) -> dict:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 29, (23, 6), generator=g)  # 2 global batches of 8, then one of 7
+    with strategy.scope():
+        torch.manual_seed(init_seed)
+        model = _TiedDecoder()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dataset = strategy.distribute_dataset((ids, ids), 8, shuffle=True, seed=2)
+
+    def step(x, y):
+        logits = model(x)
+        nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 29), y[:, 1:].reshape(-1)).backward()
+
+    for _ in range(2):
+        for x, y in dataset:
+            optimizer.zero_grad()
+            strategy.run(step, args=(x, y))
+            optimizer.step()
+    return strategy.model_state_dict(model)
+
+
+def _decoder_every_unit_choice() -> dict:
+    rank = int(os.environ["RANK"])
+    owner = spread.ShardedStrategy("parameters")
+    try:
+        out = {"model": _decoder_loop(owner, rank * 7)}
+        with spread.ShardedStrategy("parameters", units=(_Block,)) as strategy:
+            out["blocks"] = _decoder_loop(strategy, rank * 7)
+        return out
+    finally:
+        owner.close()
+
+
+@pytest.mark.processes
+def test_a_tied_head_read_in_the_models_forward_equals_one_device():
+    """The default unit (the whole model) and layer classes as units both keep the embedding table
+    resident while the model's own forward reads it for the head."""
+    expected = _decoder_loop(spread.OneDeviceStrategy("cpu"), 0)
+    for rank, results in enumerate(run_ranks(_decoder_every_unit_choice, WORLD, timeout=120)):
+        for units, weights in results.items():
+            diff = max_relative_difference(weights, expected)
+            assert diff <= TOLERANCE, f"rank {rank}, units={units}: max relative difference {diff:.2e}"

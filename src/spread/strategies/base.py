@@ -177,11 +177,17 @@ class Strategy(abc.ABC):
             if buffer is not None:
                 created_buffers.append(buffer)
 
+        def on_module(module: nn.Module, name: str, child: nn.Module | None) -> None:
+            created_modules.append(module)  # containers too: how the new modules nest
+            if child is not None:
+                created_modules.append(child)
+
         with ExitStack() as stack:
             stack.enter_context(
                 _hook(nn.modules.module.register_module_parameter_registration_hook, on_param)
             )
             stack.enter_context(_hook(nn.modules.module.register_module_buffer_registration_hook, on_buffer))
+            stack.enter_context(_hook(nn.modules.module.register_module_module_registration_hook, on_module))
             if self.device.type != "cpu":
                 stack.enter_context(self.device)
             _push_scope(self)
@@ -198,9 +204,10 @@ class Strategy(abc.ABC):
         return model
 
     def _on_new_modules(self, modules: list[nn.Module]) -> None:
-        """Modules whose variables were just adopted (those registering a parameter or buffer in the
-        scope, or every module of a prepared model): strategies that change how some layers run
-        (BatchNorm across thread replicas, ``sync_batchnorm``) take them here. Default: nothing."""
+        """Modules whose variables were just adopted (those registering a parameter, buffer or
+        submodule in the scope, or every module of a prepared model): strategies that change how
+        some layers run (BatchNorm across thread replicas, ``sync_batchnorm``, sharded parameters)
+        take them here. Default: nothing."""
         return
 
     def is_managed(self, model: nn.Module) -> bool:

@@ -10,16 +10,17 @@ distribution, buffer averaging and timeouts it reuses); what differs is who hold
 =================  ==========================  ===============================  ===================
 ``"optimizer"``    full copy + own 1/N          full all-reduce buffer + 1/N     1/N
 ``"gradients"``    full copy + own 1/N          1/N (reduce-scatter)             1/N
-``"parameters"``   1/N (gathered per module)    1/N (reduce-scatter)             1/N
+``"parameters"``   1/N (gathered per unit)      1/N (reduce-scatter)             1/N
 =================  ==========================  ===============================  ===================
 
 Layout (:mod:`spread.comm.sharding`): every parameter is flattened and cut into N equal chunks;
 rank r owns chunk r of each. Parameters are exchanged in *blocks* (one collective per block): at
-``"parameters"`` a block is one module's own parameters (gathered by a forward pre-hook, released
-after the forward, gathered again when backward reaches the module's outputs, released once its
-gradients are reduced); otherwise blocks of up to ``bucket_cap_mb``. Blocks are reduced in the
+``"parameters"`` a block is one *unit*'s parameters (``units=``: the whole model by default, or
+chosen layers as with FSDP2's ``fully_shard``), gathered by the unit module's forward pre-hook,
+released after its forward, gathered again when backward reaches its outputs and released once its
+gradients are reduced; otherwise blocks of up to ``bucket_cap_mb``. Blocks are reduced in the
 reverse order of their creation, each as soon as its gradients are complete and every earlier block
-was reduced, so every rank issues the same collectives in the same order.
+was started, so every rank issues the same collectives in the same order.
 
 The optimizer steps the shards: :meth:`ShardedStrategy.prepare_optimizer` (``Trainer`` calls it; a
 custom loop's first ``optimizer.step()`` does it through a step pre-hook) replaces each managed
@@ -39,8 +40,11 @@ parameter travels with the reduction). Inside :meth:`no_sync` the model's ``.gra
 full (as DDP and FSDP's ``set_requires_gradient_sync(False)``) until the next synchronised backward.
 
 Requirements: every rank runs the same modules in forward and backward (collectives happen in hook
-order); at ``"parameters"`` a parameter is read only inside the forward of a module that holds it
-(``module._parameters``): a weight tied into another module must be registered there too.
+order). At ``"parameters"`` a parameter must be read inside its unit's forward (a model that reads
+a layer's weight in its own forward, like a tied LM head, is right with the default and with layer
+classes as units; with ``units="modules"`` it is not). Between forwards a released parameter reads
+as zeros of its shape (one element of memory; writing into it raises): use
+:meth:`ShardedStrategy.model_state_dict` or :meth:`ShardedStrategy.unsharded` to see the values.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
+Units = str | tuple[type[nn.Module], ...]  # "model", "modules", or module classes
 
 
 class _Block:
@@ -211,9 +216,18 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         shard: what is split over the processes: ``"optimizer"`` (ZeRO-1: optimizer state),
             ``"gradients"`` (ZeRO-2: and gradients, reduce-scattered), ``"parameters"`` (ZeRO-3 /
             FSDP: and the parameters, gathered around each module's forward and backward).
+        units: at ``"parameters"``, which modules gather their parameters around their forward and
+            backward (one block, one all-gather each; FSDP2's ``fully_shard`` units). ``"model"``
+            (default): each model (a module that is no other's child) is one unit: its parameters
+            are full during one forward and backward and 1/N between steps; right for any model.
+            A tuple of module classes, e.g. ``(nn.TransformerEncoderLayer,)``: each such module is a
+            unit of its own and the rest stays with the model's unit (full parameters one layer at
+            a time). ``"modules"``: every module holding parameters of its own is a unit (least
+            memory; each parameter may be read only inside the forward of a module holding it).
+            A parameter read by a module outside its unit reads as zeros (see the module doc).
         cluster: the cluster spec; default: resolved from the environment.
         bucket_cap_mb: size of a parameter block at ``"optimizer"`` and ``"gradients"`` (one
-            collective each); at ``"parameters"`` a block is one module's parameters.
+            collective each); at ``"parameters"`` a block is one unit's parameters.
         init_timeout, collective_timeout, sync_batchnorm: as for MultiWorkerMirroredStrategy.
 
     Collectives are torch.distributed's ``reduce_scatter_single`` and ``all_gather_single`` (both
@@ -225,6 +239,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self,
         shard: str = "parameters",
         *,
+        units: Units = "model",
         cluster: ClusterSpec | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         init_timeout: float | None = None,
@@ -233,7 +248,19 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
     ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard must be one of {SHARD_STAGES}, got {shard!r}")
+        if not (
+            units in ("model", "modules")
+            or (
+                isinstance(units, tuple)
+                and units
+                and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)
+            )
+        ):
+            raise ValueError(
+                f"units must be 'model', 'modules' or a non-empty tuple of nn.Module classes, got {units!r}"
+            )
         self.shard = shard
+        self.units = units
         super().__init__(
             "native",
             cluster=cluster,
@@ -274,8 +301,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         pending, self._pending = self._pending, []
         if not pending:
             return
+        regions: list[tuple[nn.Module, list[nn.Module]]] = []
         if self.shard == "parameters":
-            groups = _blocks_by_module(pending, modules)
+            regions = _unit_regions(modules, self.units)
+            groups = _blocks_by_unit(pending, regions)
         else:
             groups = _blocks_by_size(pending, int(self.bucket_cap_mb * 2**20))
         created: dict[int, _Block] = {}  # id(model parameter) -> its new block
@@ -288,19 +317,18 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 self._shard_to_block[id(block.shards[i])] = block
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
-        if self.shard != "parameters":
-            return
-        for module in modules:
-            held = [p for p in module._parameters.values() if p is not None and id(p) in created]
-            if not held or module in self._module_blocks:
+        for owner, region in regions:
+            # The unit's module gathers every block a module of its region holds a parameter of (a
+            # tied weight's other block too) for its whole forward.
+            held = [p for m in region for p in m._parameters.values() if p is not None and id(p) in created]
+            if not held or owner in self._module_blocks:
                 continue
-            # Every module holding a new parameter (a tied weight's second holder too) gathers its
-            # blocks around its forward.
-            self._module_blocks[module] = list({id(created[id(p)]): created[id(p)] for p in held}.values())
-            self._handles.append(module.register_forward_pre_hook(self._before_forward))
-            self._handles.append(module.register_forward_hook(self._after_forward))
+            self._module_blocks[owner] = list({id(created[id(p)]): created[id(p)] for p in held}.values())
+            self._handles.append(owner.register_forward_pre_hook(self._before_forward))
+            self._handles.append(owner.register_forward_hook(self._after_forward))
         for block in {id(b): b for b in created.values()}.values():
-            block.release()
+            if self.shard == "parameters":
+                block.release()
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         blocks = self._module_blocks[module]
@@ -614,25 +642,66 @@ def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
     return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
 
 
-def _blocks_by_module(params: list[nn.Parameter], modules: list[nn.Module]) -> list[list[nn.Parameter]]:
-    """One block per module holding new parameters of its own (first holder wins a tied weight);
-    each parameter gets a storage of its own, released and regrown alone."""
+def _unit_regions(modules: list[nn.Module], units: Units) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """The units of the new modules, each with its *region*: the unit's module and its descendants
+    that are not in a nested unit, in depth-first order from the roots (modules that are no other
+    new module's child). Units: every root, plus (``units=`` classes) each module of those classes,
+    or (``units="modules"``) every module holding parameters of its own instead."""
+    children = {id(c) for m in modules for c in m.children()}
+    roots = [m for m in _unique_modules(modules) if id(m) not in children]
+
+    def is_unit(module: nn.Module, root: bool) -> bool:
+        if units == "modules":
+            return any(p is not None for p in module._parameters.values())
+        if isinstance(units, str):  # "model"
+            return root
+        return root or isinstance(module, units)
+
+    regions: list[tuple[nn.Module, list[nn.Module]]] = []
+
+    def visit(module: nn.Module, region: list[nn.Module] | None, root: bool) -> None:
+        if is_unit(module, root):
+            region = [module]
+            regions.append((module, region))
+        elif region is not None:
+            region.append(module)
+        for child in module.children():
+            visit(child, region, False)
+
+    for root in roots:
+        visit(root, None, True)
+    return regions
+
+
+def _blocks_by_unit(
+    params: list[nn.Parameter], regions: list[tuple[nn.Module, list[nn.Module]]]
+) -> list[list[nn.Parameter]]:
+    """One block per unit: the new parameters its region's modules hold (first unit wins a tied
+    weight); each parameter gets a storage of its own, released and regrown alone."""
     new = {id(p) for p in params}
     blocks: list[list[nn.Parameter]] = []
     owned: set[int] = set()
-    for module in modules:
-        mine = [
-            p for p in module._parameters.values() if p is not None and id(p) in new and id(p) not in owned
-        ]
-        for p in mine:
-            owned.add(id(p))
-            if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
-                p.data = p.detach().clone()
+    for _, region in regions:
+        mine = []
+        for module in region:
+            for p in module._parameters.values():
+                if p is not None and id(p) in new and id(p) not in owned:
+                    owned.add(id(p))
+                    if (
+                        p.storage_offset() != 0
+                        or p.untyped_storage().nbytes() != p.numel() * p.element_size()
+                    ):
+                        p.data = p.detach().clone()
+                    mine.append(p)
         if mine:
             blocks.append(mine)
     if len(owned) != len(new):
         raise SpreadError("ShardedStrategy(shard='parameters'): a new parameter belongs to no module")
     return blocks
+
+
+def _unique_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    return list({id(m): m for m in modules}.values())
 
 
 def _blocks_by_size(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
