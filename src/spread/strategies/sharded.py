@@ -321,11 +321,16 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             # The unit's module gathers every block a module of its region holds a parameter of (a
             # tied weight's other block too) for its whole forward.
             held = [p for m in region for p in m._parameters.values() if p is not None and id(p) in created]
-            if not held or owner in self._module_blocks:
+            if not held:
                 continue
-            self._module_blocks[owner] = list({id(created[id(p)]): created[id(p)] for p in held}.values())
-            self._handles.append(owner.register_forward_pre_hook(self._before_forward))
-            self._handles.append(owner.register_forward_hook(self._after_forward))
+            if owner not in self._module_blocks:
+                self._module_blocks[owner] = []
+                self._handles.append(owner.register_forward_pre_hook(self._before_forward))
+                self._handles.append(owner.register_forward_hook(self._after_forward))
+            blocks = self._module_blocks[owner]  # a module adopted again (prepare_model) keeps its own
+            for p in held:
+                if all(b is not created[id(p)] for b in blocks):
+                    blocks.append(created[id(p)])
         for block in {id(b): b for b in created.values()}.values():
             if self.shard == "parameters":
                 block.release()
