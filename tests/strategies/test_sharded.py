@@ -4,6 +4,7 @@ and holds ~1/N of MultiWorkerMirrored's model state per rank at ``shard="paramet
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -360,13 +361,14 @@ class _Block(nn.Module):
 
 
 class _TiedDecoder(nn.Module):
-    """W2's shape in small: embeddings, residual blocks, and an LM head tied to the embedding table
-    that the model reads in its own forward (not inside the embedding's)."""
+    """W2's shape in small: embeddings, deep-copied residual blocks, and an LM head tied to the
+    embedding table that the model reads in its own forward (not inside the embedding's)."""
 
     def __init__(self, vocab: int = 29, d: int = 12, layers: int = 3) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        self.blocks = nn.Sequential(*[_Block(d) for _ in range(layers)])
+        template = _Block(d)  # deep-copied as nn.TransformerEncoder does: the copies' parameters
+        self.blocks = nn.Sequential(*[copy.deepcopy(template) for _ in range(layers)])  # skip the scope
         self.ln = nn.LayerNorm(d)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -380,6 +382,7 @@ def _decoder_loop(strategy, init_seed: int) -> dict:
         torch.manual_seed(init_seed)
         model = _TiedDecoder()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    strategy.prepare_model(model)  # adopts the deep copies (Trainer does this when needed)
     dataset = strategy.distribute_dataset((ids, ids), 8, shuffle=True, seed=2)
 
     def step(x, y):
