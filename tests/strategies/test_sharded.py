@@ -85,7 +85,10 @@ def fit(strategy, feature: str, *, init_seed: int = 0) -> dict:
         callbacks=callbacks,
         **options,
     )
-    history = trainer.fit(make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0)
+    validation = make_data() if feature == "clip_norm" else None  # evaluation's forward (no_grad)
+    history = trainer.fit(
+        make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0, validation_data=validation
+    )
     return {"weights": strategy.model_state_dict(model), "history": history.history}
 
 
