@@ -160,7 +160,7 @@ def _assert_same_optimizer_state(got: dict, expected: dict, who: str) -> None:
 @pytest.mark.parametrize("nprocs", [WORLD, 3])
 def test_custom_loop_equals_one_device_at_every_stage(reference, nprocs):
     """SGD+momentum and AdamW (the latter with 2 micro-batches under no_sync), uneven final batches;
-    the gathered optimizer state is one device's too. At 3 processes no parameter divides evenly."""
+    the gathered optimizer state is one device's too. At 3 processes most parameters do not divide evenly."""
     per_rank = run_ranks(_every_stage, nprocs, args=(CONFIGS, _loop_job), timeout=240)
     for rank, stages in enumerate(per_rank):
         for stage, results in stages.items():

@@ -101,7 +101,7 @@ class _Block:
         self._stand_ins = [p.data.new_zeros(1).expand(p.shape) for p in params]
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
         self._gathering: tuple[PendingCollective, torch.Tensor] | None = None  # a prefetch in flight
-        self._reducing: tuple[PendingCollective, torch.Tensor, list[bool]] | None = None
+        self._reducing: tuple[PendingCollective, torch.Tensor] | None = None  # a reduction in flight
 
     # -- parameters --------------------------------------------------------------------------------
     def start_gather(self) -> None:
@@ -178,8 +178,7 @@ class _Block:
         layout.pack(grads, packed, grad_scale)
         rows = packed.view(world, layout.row_numel)
         # A presence flag per parameter in every row: each rank learns which got a gradient anywhere.
-        present = [g is not None for g in grads]
-        rows[:, layout.shard_numel :] = torch.tensor(present, dtype=packed.dtype)
+        rows[:, layout.shard_numel :] = torch.tensor([g is not None for g in grads], dtype=packed.dtype)
         for p in self.params:
             p.grad = None
         if self.shard == "optimizer":
@@ -188,12 +187,12 @@ class _Block:
         else:
             mine = packed.new_empty(layout.row_numel)
             pending = self.collectives.reduce_scatter_async(mine, packed, name="sharded.grad_reduce_scatter")
-        self._reducing = (pending, mine, present)
+        self._reducing = (pending, mine)
 
     def finish_reduce(self) -> None:
         if self._reducing is None:
             return
-        pending, mine, _ = self._reducing
+        pending, mine = self._reducing
         self._reducing = None
         pending.wait()
         layout = self.layout
