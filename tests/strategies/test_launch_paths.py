@@ -41,11 +41,11 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "SPREAD_INIT_TIMEOUT": "60", **extra}
 
 
-def _run_processes(envs: list[dict[str, str]], out: Path) -> None:
+def _run_processes(envs: list[dict[str, str]], out: Path, extra: tuple[str, ...] = ()) -> None:
     """One process per env, all at once; every one must exit 0 within the deadline."""
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out)],
+            [sys.executable, str(SCRIPT), str(out), *extra],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -65,16 +65,16 @@ def _run_processes(envs: list[dict[str, str]], out: Path) -> None:
         assert p.returncode == 0, text[-3000:]
 
 
-def _run_launcher(argv: list[str], out: Path) -> None:
+def _run_launcher(argv: list[str], out: Path, extra: tuple[str, ...] = ()) -> None:
     result = subprocess.run(
-        [*argv, str(SCRIPT), str(out)], env=_clean_env(), capture_output=True, text=True, timeout=180
+        [*argv, str(SCRIPT), str(out), *extra], env=_clean_env(), capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "replicas 2" in result.stdout
 
 
-def _plain_python(out: Path) -> None:
-    _run_processes([_clean_env()], out)
+def _plain_python(out: Path, extra: tuple[str, ...] = ()) -> None:
+    _run_processes([_clean_env()], out, extra)
 
 
 def _tf_config(out: Path) -> None:
@@ -102,17 +102,17 @@ def _slurm(out: Path) -> None:
     _run_processes([_clean_env(**common, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(2)], out)
 
 
-def _bare_torchrun_variables(out: Path) -> None:
+def _bare_torchrun_variables(out: Path, extra: tuple[str, ...] = ()) -> None:
     common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    _run_processes([_clean_env(**common, RANK=str(r)) for r in range(2)], out)
+    _run_processes([_clean_env(**common, RANK=str(r)) for r in range(2)], out, extra)
 
 
-def _torchrun(out: Path) -> None:
-    _run_launcher([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"], out)
+def _torchrun(out: Path, extra: tuple[str, ...] = ()) -> None:
+    _run_launcher([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"], out, extra)
 
 
-def _spread_run(out: Path) -> None:
-    _run_launcher([str(BIN / "spread"), "run", "-n", "2"], out)
+def _spread_run(out: Path, extra: tuple[str, ...] = ()) -> None:
+    _run_launcher([str(BIN / "spread"), "run", "-n", "2"], out, extra)
 
 
 @pytest.fixture(scope="module")
@@ -139,5 +139,21 @@ def test_every_launch_path_trains_like_one_device(start, one_device, tmp_path: P
     start(out)
     weights = torch.load(out, weights_only=True)
     assert weights.keys() == one_device.keys()
+    for name, expected in one_device.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "start",
+    [_plain_python, _bare_torchrun_variables, _torchrun, _spread_run],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_sharded_strategy_starts_every_way_and_trains_like_one_device(
+    start, one_device, tmp_path: Path
+) -> None:
+    """ShardedStrategy(shard="parameters") joins the job the way MultiWorkerMirrored does."""
+    out = tmp_path / "weights.pt"
+    start(out, ("--sharded",))
+    weights = torch.load(out, weights_only=True)
     for name, expected in one_device.items():
         torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)

@@ -7,7 +7,7 @@ every missing, unexpected, reshaped or retyped tensor and every differing config
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,23 +52,28 @@ def field_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> l
     ]
 
 
-def optimizer_mismatches(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter groups and per-parameter state shapes of a saved optimizer vs ``optimizer``."""
+def optimizer_mismatches(
+    saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, shapes: Sequence[torch.Size] | None = None
+) -> list[str]:
+    """Parameter groups and per-parameter state shapes of a saved optimizer vs ``optimizer``.
+    ``shapes``: the one-device shape of each of its parameters, in group order, where the
+    optimizer steps something else (a strategy's shards of them); default: its parameters' own."""
     problems = []
     groups = [len(g["params"]) for g in saved.get("param_groups", [])]
     current = [len(g["params"]) for g in optimizer.param_groups]
     if groups != current:
         return [f"optimizer parameters per group: saved {groups}, now {current}"]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if shapes is None:
+        shapes = [p.shape for g in optimizer.param_groups for p in g["params"]]
     for index, state in sorted(saved.get("state", {}).items()):
-        if not isinstance(index, int) or not 0 <= index < len(params):
+        if not isinstance(index, int) or not 0 <= index < len(shapes):
             problems.append(f"optimizer state for unknown parameter {index!r}")
             continue
         for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shapes[index]:
                 problems.append(
                     f"optimizer state {index}.{name}: saved {tuple(value.shape)}, "
-                    f"parameter is {tuple(params[index].shape)}"
+                    f"parameter is {tuple(shapes[index])}"
                 )
     return problems
 

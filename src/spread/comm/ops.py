@@ -151,6 +151,58 @@ class Collectives:
         parts = self.all_gather(padded, name=name)
         return [part[:n] for part, n in zip(parts, sizes, strict=True)]
 
+    def reduce_scatter(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
+    ) -> torch.Tensor:
+        """Sum ``tensor`` (``world_size`` equal rows, flat) over ranks; this rank's row lands in
+        ``output``. Gloo supports it in torch 2.13 (checked)."""
+        if self.world_size == 1:
+            return output.copy_(tensor.view(-1))
+        with self._guard(name):
+            dist.reduce_scatter_single(output, tensor, group=self.group)
+        return output
+
+    def all_gather_into(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "all_gather_into"
+    ) -> torch.Tensor:
+        """Every rank's ``tensor``, in rank order, into the flat ``output`` (``world_size`` times
+        its size): one collective, no list of tensors."""
+        if self.world_size == 1:
+            return output.copy_(tensor.view(-1))
+        with self._guard(name):
+            dist.all_gather_single(output, tensor, group=self.group)
+        return output
+
+    def reduce_scatter_async(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
+    ) -> PendingCollective:
+        """Start :meth:`reduce_scatter`; ``wait()`` before reading ``output``."""
+        seq = next(self._seq)
+        if self.world_size == 1:
+            output.copy_(tensor.view(-1))
+            return PendingCollective(None, self.rank, name, seq)
+        self._check_open(name, seq)
+        try:
+            work = dist.reduce_scatter_single(output, tensor, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise classify_error(self.rank, name, seq, exc) from exc
+        return PendingCollective(work, self.rank, name, seq)
+
+    def all_gather_into_async(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "all_gather_into"
+    ) -> PendingCollective:
+        """Start :meth:`all_gather_into`; ``wait()`` before reading ``output``."""
+        seq = next(self._seq)
+        if self.world_size == 1:
+            output.copy_(tensor.view(-1))
+            return PendingCollective(None, self.rank, name, seq)
+        self._check_open(name, seq)
+        try:
+            work = dist.all_gather_single(output, tensor, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise classify_error(self.rank, name, seq, exc) from exc
+        return PendingCollective(work, self.rank, name, seq)
+
     def barrier(self, *, name: str = "barrier") -> None:
         if self.world_size == 1:
             return

@@ -14,6 +14,7 @@ from spread.strategies.one_device import OneDeviceStrategy
 from spread.strategies.parameter_server import ParameterServerStrategy
 from spread.strategies.pipeline import PipelineStrategy
 from spread.strategies.registry import STRATEGIES, make_strategy
+from spread.strategies.sharded import SHARD_STAGES, ShardedStrategy
 from spread.values import PerReplica
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "PerReplica",
     "PipelineStrategy",
     "ReplicaContext",
+    "SHARD_STAGES",
+    "ShardedStrategy",
     "Strategy",
     "TrainingProgram",
     "ChiefRestore",

@@ -24,6 +24,7 @@ from torch import nn
 
 from spread.data import DataChannel, DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
+from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.context import (
     ReplicaContext,
@@ -181,11 +182,17 @@ class Strategy(abc.ABC):
             if buffer is not None:
                 created_buffers.append(buffer)
 
+        def on_module(module: nn.Module, name: str, child: nn.Module | None) -> None:
+            created_modules.append(module)  # containers too: how the new modules nest
+            if child is not None:
+                created_modules.append(child)
+
         with ExitStack() as stack:
             stack.enter_context(
                 _hook(nn.modules.module.register_module_parameter_registration_hook, on_param)
             )
             stack.enter_context(_hook(nn.modules.module.register_module_buffer_registration_hook, on_buffer))
+            stack.enter_context(_hook(nn.modules.module.register_module_module_registration_hook, on_module))
             if self.device.type != "cpu":
                 stack.enter_context(self.device)
             _push_scope(self)
@@ -202,9 +209,10 @@ class Strategy(abc.ABC):
         return model
 
     def _on_new_modules(self, modules: list[nn.Module]) -> None:
-        """Modules whose variables were just adopted (those registering a parameter or buffer in the
-        scope, or every module of a prepared model): strategies that change how some layers run
-        (BatchNorm across thread replicas, ``sync_batchnorm``) take them here. Default: nothing."""
+        """Modules whose variables were just adopted (those registering a parameter, buffer or
+        submodule in the scope, or every module of a prepared model): strategies that change how
+        some layers run (BatchNorm across thread replicas, ``sync_batchnorm``, sharded parameters)
+        take them here. Default: nothing."""
         return
 
     def is_managed(self, model: nn.Module) -> bool:
@@ -425,6 +433,44 @@ class Strategy(abc.ABC):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state in the one-device layout."""
         return optimizer.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        """Load a one-device model state (what :meth:`model_state_dict` returns) into ``model``.
+        Collective where :attr:`state_is_collective`. Default: ``model.load_state_dict``."""
+        model.load_state_dict(state)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a one-device optimizer state (what :meth:`optimizer_state_dict` returns). Default:
+        ``optimizer.load_state_dict``; a strategy whose optimizer holds a part of every parameter
+        (sharded data parallelism) keeps its part."""
+        optimizer.load_state_dict(dict(state))
+
+    def optimizer_parameter_shapes(self, optimizer: torch.optim.Optimizer) -> list[torch.Size]:
+        """The one-device shape of each parameter ``optimizer`` steps, in group order (what its
+        :meth:`optimizer_state_dict` state is shaped by). Default: the parameters' own shapes."""
+        return [p.shape for group in optimizer.param_groups for p in group["params"]]
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make an optimizer over managed parameters fit this strategy; returns the same object.
+        ``Trainer`` calls it. Default: nothing to do. A strategy whose optimizer must step something
+        else than the model's parameters (its shards of them) rewires the parameter groups here."""
+        return optimizer
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes of model state this process holds now: managed parameters, their gradients and the
+        gradient exchange's buffers, and ``optimizer``'s state (each storage counted once)."""
+        seen: set[int] = set()
+        params = self.managed_parameters
+        return MemoryReport(
+            parameter_bytes=storage_bytes(params, seen),
+            gradient_bytes=storage_bytes([*(p.grad for p in params), *self._exchange_buffers()], seen),
+            optimizer_state_bytes=storage_bytes(optimizer_state_tensors(optimizer), seen),
+        )
+
+    def _exchange_buffers(self) -> list[torch.Tensor]:
+        """Buffers the gradient exchange keeps between steps (for :meth:`memory_report`)."""
+        return []
 
     # -- backups (BackupAndRestore) ----------------------------------------------------------------
     @property

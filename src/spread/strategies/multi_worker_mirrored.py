@@ -211,6 +211,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         with self._reducer.no_sync():
             yield
 
+    def _exchange_buffers(self) -> list[torch.Tensor]:
+        if self._reducer is None:
+            return []
+        buckets = self._reducer.buckets
+        return [t for b in buckets for t in (b.buffer, b.wire) if t is not None]
+
     def _set_step_info(self, info: StepInfo) -> None:
         super()._set_step_info(info)
         if self._reducer is not None:

@@ -11,6 +11,7 @@ from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from spread.strategies.one_device import OneDeviceStrategy
 from spread.strategies.parameter_server import ParameterServerStrategy
 from spread.strategies.pipeline import PipelineStrategy
+from spread.strategies.sharded import ShardedStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
@@ -19,6 +20,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "parameter_server": ParameterServerStrategy,
     "central_storage": CentralStorageStrategy,
     "pipeline": PipelineStrategy,
+    "sharded": ShardedStrategy,
 }
 
 

@@ -144,6 +144,7 @@ class Trainer:
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         if not self.strategy.is_managed(model):
             self.strategy.prepare_model(model)
+        self.strategy.prepare_optimizer(optimizer)  # after the model: it may rewire the optimizer
 
     @property
     def is_chief(self) -> bool:

@@ -114,8 +114,8 @@ class BackupAndRestore(Callback):
             return
         step, state = found
         self._check_compatible(state, step)
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        strategy.load_model_state_dict(trainer.model, state["model"])
+        strategy.load_optimizer_state_dict(trainer.optimizer, state["optimizer"])
         trainer.load_training_state(state.get("trainer") or {})
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
@@ -249,7 +249,11 @@ class BackupAndRestore(Callback):
             else:
                 problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
         problems += tensor_mismatches(state["model"], trainer.strategy.local_state_dict(trainer.model))
-        problems += optimizer_mismatches(state["optimizer"], trainer.optimizer)
+        problems += optimizer_mismatches(
+            state["optimizer"],
+            trainer.optimizer,
+            trainer.strategy.optimizer_parameter_shapes(trainer.optimizer),
+        )
         where = self.manager.directory / f"ckpt-{step:010d}"
         raise_if(problems, str(where), "model, optimizer and strategy")
 

@@ -89,10 +89,10 @@ class EarlyStopping(Callback):
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         # copy=True: on a CPU model .to("cpu") would return the live tensors, which training overwrites.
-        return {
-            k: v.detach().to("cpu", copy=True)
-            for k, v in self.trainer.strategy.local_state_dict(self.trainer.model).items()
-        }
+        # Through the strategy (every rank calls it alike): the one-device weights where the model
+        # is split or sharded over the ranks (collective there).
+        weights = self.trainer.strategy.model_state_dict(self.trainer.model)
+        return {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
 
     def _print(self, message: str) -> None:
         if self.verbose and self.trainer.is_chief:
@@ -138,7 +138,4 @@ class EarlyStopping(Callback):
             self._print(f"epoch {self.stopped_epoch + 1}: early stopping ({self.monitor} did not improve)")
         if self.restore_best_weights and self.best_weights is not None:
             self._print(f"restoring model weights from the end of the best epoch: {self.best_epoch + 1}")
-            live = self.trainer.strategy.local_state_dict(self.trainer.model)
-            with torch.no_grad():  # in place: the model's tensors, as each rank holds them
-                for key, value in self.best_weights.items():
-                    live[key].copy_(value)
+            self.trainer.strategy.load_model_state_dict(self.trainer.model, self.best_weights)

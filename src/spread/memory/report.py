@@ -1,0 +1,51 @@
+"""What a process holds of the model's training state, in bytes: parameters, gradients, optimizer state.
+
+Why: sharded data parallelism is chosen for memory, so its saving must be visible and checkable
+(``Strategy.memory_report``). Bytes are counted by storage, each storage once, so views into one
+flat buffer, and a parameter whose storage was released (size 0), count what is really allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of model state held by this process when the report was taken."""
+
+    parameter_bytes: int
+    gradient_bytes: int  # ``.grad`` tensors and the gradient exchange's own buffers
+    optimizer_state_bytes: int
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state together (what ZeRO divides)."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (``None`` skipped). ``seen``: storages
+    already counted elsewhere (updated), so a storage shared by two categories counts once."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor in ``optimizer``'s per-parameter state (moments, momentum buffers, steps)."""
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -1,0 +1,736 @@
+"""ShardedStrategy: data parallelism whose optimizer state, gradients and parameters are split over the
+processes instead of copied on each (ZeRO stages 1-3; ``shard="parameters"`` is FSDP's full sharding).
+
+Every process still computes forward and backward of its slice of each global batch, like
+:class:`~spread.strategies.MultiWorkerMirroredStrategy` (whose process group, launch paths, data
+distribution, buffer averaging and timeouts it reuses); what differs is who holds what:
+
+=================  ==========================  ===============================  ===================
+``shard=``         parameters between steps     gradients after backward         optimizer state
+=================  ==========================  ===============================  ===================
+``"optimizer"``    full copy + own 1/N          full all-reduce buffer + 1/N     1/N
+``"gradients"``    full copy + own 1/N          1/N (reduce-scatter)             1/N
+``"parameters"``   1/N (gathered per unit)      1/N (reduce-scatter)             1/N
+=================  ==========================  ===============================  ===================
+
+Layout (:mod:`spread.comm.sharding`): every parameter is flattened and cut into N equal chunks;
+rank r owns chunk r of each. Parameters are exchanged in *blocks* (one collective per block): at
+``"parameters"`` a block is one *unit*'s parameters (``units=``: the whole model by default, or
+chosen layers as with FSDP2's ``fully_shard``), gathered by the unit module's forward pre-hook,
+released after its forward, gathered again when backward reaches its outputs and released once its
+gradients are reduced; otherwise blocks of up to ``bucket_cap_mb``. Blocks are reduced in the
+reverse order of their creation, each as soon as its gradients are complete and every earlier block
+was started, so every rank issues the same collectives in the same order.
+
+The optimizer steps the shards: :meth:`ShardedStrategy.prepare_optimizer` (``Trainer`` calls it; a
+custom loop's first ``optimizer.step()`` does it through a step pre-hook) replaces each managed
+parameter in the optimizer's groups by a 1-D parameter holding this rank's chunk, so the optimizer
+object, its param groups, hyperparameters and schedulers stay the user's, and its state covers the
+shard only. After each step the shards are all-gathered into the model (``"optimizer"``,
+``"gradients"``) or left to the next forward (``"parameters"``). This equals one device exactly for
+optimizers that update each element from that element's own state (SGD, momentum, Adam, AdamW,
+RMSprop, Adagrad, ...); ones that look across a tensor (LAMB's trust ratio, Adafactor, Shampoo,
+Muon) would see a chunk, not the tensor, and are not supported.
+
+Gradients: each backward pass ends with ``.grad`` of the model's parameters gone (``None``) and
+the weighted sum over ranks of what it produced added to the shards' ``.grad`` (the same weights
+as MultiWorkerMirrored: each replica's share of the global batch, so uneven final batches equal one
+device). A parameter that got no gradient on any rank keeps its shard's ``grad is None`` (a flag per
+parameter travels with the reduction). Inside :meth:`no_sync` the model's ``.grad`` accumulate in
+full (as DDP and FSDP's ``set_requires_gradient_sync(False)``) until the next synchronised backward.
+
+Requirements: every rank runs the same modules in forward and backward (collectives happen in hook
+order). At ``"parameters"`` a parameter must be read inside its unit's forward (a model that reads
+a layer's weight in its own forward, like a tied LM head, is right with the default and with layer
+classes as units; with ``units="modules"`` it is not). Between forwards a released parameter reads
+as zeros of its shape (one element of memory; writing into it raises): use
+:meth:`ShardedStrategy.model_state_dict` or :meth:`ShardedStrategy.unsharded` to see the values.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from itertools import pairwise
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from spread.cluster import ClusterSpec
+from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, PendingCollective
+from spread.comm.sharding import ShardLayout
+from spread.data import StepInfo
+from spread.errors import SpreadError
+from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
+from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
+
+SHARD_STAGES = ("optimizer", "gradients", "parameters")
+Units = str | tuple[type[nn.Module], ...]  # "model", "modules", or module classes
+
+
+class _Block:
+    """Parameters sharded and exchanged together: one all-gather and one reduction each."""
+
+    def __init__(self, params: list[nn.Parameter], collectives: Collectives, shard: str) -> None:
+        self.params = params
+        self.collectives = collectives
+        self.shard = shard
+        self.layout = ShardLayout.of([p.shape for p in params], collectives.world_size, extra=len(params))
+        rank = collectives.rank
+        with torch.no_grad():
+            chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
+            self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
+        self.shards = [
+            nn.Parameter(self.flat_shard[off : off + c], requires_grad=p.requires_grad)
+            for p, off, c in zip(params, self.layout.offsets, self.layout.chunks, strict=True)
+        ]
+        self.trainable = sum(p.requires_grad for p in params)
+        self.grad_buffer: torch.Tensor | None = None  # "optimizer": the all-reduce's, kept
+        self.resident = True  # whether the model's parameters hold their full values
+        # The tensors holding the full values (their storage is released and regrown: autograd's
+        # saved views of a parameter keep that storage), and what a released parameter shows
+        # meanwhile: zeros of its shape in one element of memory (shapes and parameter counts stay
+        # right; reading freed memory would crash; writing into it raises).
+        self.full = [p.data for p in params]
+        self._stand_ins = [p.data.new_zeros(1).expand(p.shape) for p in params]
+        self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
+        self._gathering: tuple[PendingCollective, torch.Tensor] | None = None  # a prefetch in flight
+        self._reducing: tuple[PendingCollective, torch.Tensor] | None = None  # a reduction in flight
+
+    # -- parameters --------------------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Collective, asynchronous: start gathering every rank's chunks (a prefetch); a no-op when
+        the parameters are resident or a gather is in flight."""
+        if self.resident or self._gathering is not None:
+            return
+        layout = self.layout
+        gathered = self.flat_shard.new_empty(layout.world_size * layout.shard_numel)
+        pending = self.collectives.all_gather_into_async(
+            gathered, self.flat_shard, name="sharded.all_gather_parameters"
+        )
+        self._gathering = (pending, gathered)
+
+    def gather(self) -> None:
+        """Make the model's parameters hold their full values (the collective, unless a prefetch
+        started it already, then copy out)."""
+        if self.resident:
+            return
+        self.start_gather()
+        assert self._gathering is not None
+        pending, gathered = self._gathering
+        self._gathering = None
+        pending.wait()
+        with torch.no_grad():
+            for i, (p, full) in enumerate(zip(self.params, self.full, strict=True)):
+                storage = full.untyped_storage()
+                needed = int(full.storage_offset() + full.numel()) * full.element_size()
+                if storage.nbytes() < needed:
+                    storage.resize_(needed)
+                self.layout.unpack_into(gathered, i, full)
+                if p.data.untyped_storage().data_ptr() != storage.data_ptr():
+                    # Through .data: the parameter object and its autograd version counter stay,
+                    # so a backward that saved it in forward finds its values again.
+                    p.data = full
+        self.resident = True
+
+    def release(self) -> None:
+        """Free the full values' storage; the parameters read as zeros until :meth:`gather`.
+        A prefetch in flight is completed first (every rank issued it)."""
+        if self._gathering is not None:
+            self.gather()
+        for p, full, stand_in in zip(self.params, self.full, self._stand_ins, strict=True):
+            p.data = stand_in
+            full.untyped_storage().resize_(0)
+        self.resident = False
+
+    @property
+    def gathering(self) -> bool:
+        """Whether a prefetch of this block is in flight."""
+        return self._gathering is not None
+
+    def refresh_shards(self) -> None:
+        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.shards[i].copy_(self.layout.chunk_of(i, p, self.collectives.rank))
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def start_reduce(self, grad_scale: float) -> None:
+        """Collective, asynchronous: the model's ``.grad`` times ``grad_scale`` are packed and their
+        sum over ranks started (all-reduce at ``"optimizer"``, else reduce-scatter); the model's
+        ``.grad`` become ``None``. :meth:`finish_reduce` adds the result to the shards' ``.grad``."""
+        layout, world = self.layout, self.collectives.world_size
+        grads = [p.grad for p in self.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise SpreadError("ShardedStrategy does not shard sparse gradients (nn.Embedding(sparse=True))")
+        if self.shard == "optimizer":
+            if self.grad_buffer is None:
+                self.grad_buffer = self.flat_shard.new_empty(world * layout.row_numel)
+            packed = self.grad_buffer
+        else:
+            packed = self.flat_shard.new_empty(world * layout.row_numel)
+        layout.pack(grads, packed, grad_scale)
+        rows = packed.view(world, layout.row_numel)
+        # A presence flag per parameter in every row: each rank learns which got a gradient anywhere.
+        rows[:, layout.shard_numel :] = torch.tensor([g is not None for g in grads], dtype=packed.dtype)
+        for p in self.params:
+            p.grad = None
+        if self.shard == "optimizer":
+            pending = self.collectives.all_reduce_async(packed, name="sharded.grad_all_reduce")
+            mine = rows[self.collectives.rank]
+        else:
+            mine = packed.new_empty(layout.row_numel)
+            pending = self.collectives.reduce_scatter_async(mine, packed, name="sharded.grad_reduce_scatter")
+        self._reducing = (pending, mine)
+
+    def finish_reduce(self) -> None:
+        if self._reducing is None:
+            return
+        pending, mine = self._reducing
+        self._reducing = None
+        pending.wait()
+        layout = self.layout
+        present = mine[layout.shard_numel :].tolist()
+        for i, shard in enumerate(self.shards):
+            if present[i] <= 0:
+                continue  # no rank produced a gradient for it: as on one device, it keeps none
+            off, c = layout.offsets[i], layout.chunks[i]
+            grad = mine[off : off + c]
+            if shard.grad is None:
+                shard.grad = grad.clone() if self.shard == "optimizer" else grad
+            else:
+                shard.grad.add_(grad)
+
+
+class ShardedStrategy(MultiWorkerMirroredStrategy):
+    """Synchronous data parallelism, one replica per process, with model state split over them.
+
+    Args:
+        shard: what is split over the processes: ``"optimizer"`` (ZeRO-1: optimizer state),
+            ``"gradients"`` (ZeRO-2: and gradients, reduce-scattered), ``"parameters"`` (ZeRO-3 /
+            FSDP: and the parameters, gathered around each module's forward and backward).
+        units: at ``"parameters"``, which modules gather their parameters around their forward and
+            backward (one block, one all-gather each; FSDP2's ``fully_shard`` units). ``"model"``
+            (default): each model (a module that is no other's child) is one unit: its parameters
+            are full during one forward and backward and 1/N between steps; right for any model.
+            A tuple of module classes, e.g. ``(nn.TransformerEncoderLayer,)``: each such module is a
+            unit of its own and the rest stays with the model's unit (full parameters one layer at
+            a time). ``"modules"``: every module holding parameters of its own is a unit (least
+            memory; each parameter may be read only inside the forward of a module holding it).
+            A parameter read by a module outside its unit reads as zeros (see the module doc).
+        cluster: the cluster spec; default: resolved from the environment.
+        bucket_cap_mb: size of a parameter block at ``"optimizer"`` and ``"gradients"`` (one
+            collective each); at ``"parameters"`` a block is one unit's parameters.
+        init_timeout, collective_timeout, sync_batchnorm: as for MultiWorkerMirroredStrategy.
+
+    Collectives are torch.distributed's ``reduce_scatter_single`` and ``all_gather_single`` (both
+    supported by gloo in torch 2.13) and ``all_reduce`` at ``"optimizer"``; buffers (BatchNorm
+    statistics) are not sharded and are averaged after each step as with MultiWorkerMirrored.
+    """
+
+    def __init__(
+        self,
+        shard: str = "parameters",
+        *,
+        units: Units = "model",
+        cluster: ClusterSpec | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        init_timeout: float | None = None,
+        collective_timeout: float | None = None,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        if shard not in SHARD_STAGES:
+            raise ValueError(f"shard must be one of {SHARD_STAGES}, got {shard!r}")
+        if not (
+            units in ("model", "modules")
+            or (
+                isinstance(units, tuple)
+                and units
+                and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)
+            )
+        ):
+            raise ValueError(
+                f"units must be 'model', 'modules' or a non-empty tuple of nn.Module classes, got {units!r}"
+            )
+        self.shard = shard
+        self.units = units
+        super().__init__(
+            "native",
+            cluster=cluster,
+            bucket_cap_mb=bucket_cap_mb,
+            init_timeout=init_timeout,
+            collective_timeout=collective_timeout,
+            sync_batchnorm=sync_batchnorm,
+        )
+        self._resources.owner = f"ShardedStrategy rank {self.cluster.rank}"
+        self._blocks: list[_Block] = []  # in creation order; reduced in reverse
+        self._block_of: dict[int, tuple[_Block, int]] = {}  # id(model parameter) -> (block, index)
+        self._shard_to_block: dict[int, _Block] = {}  # id(shard parameter) -> its block
+        self._pending: list[nn.Parameter] = []  # adopted, not yet in a block
+        self._module_blocks: dict[nn.Module, list[_Block]] = {}
+        self._handles: list[RemovableHandle] = []
+        self._prepared: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._grad_scale = 1.0 / self.collectives.world_size
+        self._sync = True
+        self._queued = False
+        self._next_reduce = 0  # index into the reverse block order of the next block to reduce
+        # "parameters": blocks in the order the first training forward used them, then which block
+        # to prefetch after each one in forward and in backward (None until recorded).
+        self._forward_order: list[_Block] = []
+        self._next_in_forward: dict[int, _Block] | None = None
+        self._next_in_backward: dict[int, _Block] | None = None
+        self._pre_step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    # -- variables ---------------------------------------------------------------------------------
+    def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        tensors = [*params, *buffers]
+        self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
+        self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
+        self._buffers_stale = True
+        self._pending.extend(params)
+
+    def _on_new_modules(self, modules: list[nn.Module]) -> None:
+        super()._on_new_modules(modules)  # BatchNorm and buffer averaging, as MultiWorkerMirrored
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        regions: list[tuple[nn.Module, list[nn.Module]]] = []
+        if self.shard == "parameters":
+            regions = _unit_regions(modules, self.units)
+            groups = _blocks_by_unit(pending, regions)
+        else:
+            groups = _blocks_by_size(pending, int(self.bucket_cap_mb * 2**20))
+        created: dict[int, _Block] = {}  # id(model parameter) -> its new block
+        for params in groups:
+            block = _Block(params, self.collectives, self.shard)
+            self._blocks.append(block)
+            for i, p in enumerate(params):
+                created[id(p)] = block
+                self._block_of[id(p)] = (block, i)
+                self._shard_to_block[id(block.shards[i])] = block
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+        for owner, region in regions:
+            # The unit's module gathers every block a module of its region holds a parameter of (a
+            # tied weight's other block too) for its whole forward.
+            held = [p for m in region for p in m._parameters.values() if p is not None and id(p) in created]
+            if not held:
+                continue
+            if owner not in self._module_blocks:
+                self._module_blocks[owner] = []
+                self._handles.append(owner.register_forward_pre_hook(self._before_forward))
+                self._handles.append(owner.register_forward_hook(self._after_forward))
+            blocks = self._module_blocks[owner]  # a module adopted again (prepare_model) keeps its own
+            for p in held:
+                if all(b is not created[id(p)] for b in blocks):
+                    blocks.append(created[id(p)])
+        for block in {id(b): b for b in created.values()}.values():
+            if self.shard == "parameters":
+                block.release()
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        blocks = self._module_blocks[module]
+        if self._next_in_forward is None:
+            for block in blocks:  # the first training step records the order blocks are used in
+                if all(b is not block for b in self._forward_order):
+                    self._forward_order.append(block)
+        self._gather(blocks)
+        if self._next_in_forward is not None and (ahead := self._next_in_forward.get(id(blocks[-1]))):
+            ahead.start_gather()  # prefetch: its all-gather overlaps this module's forward
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        blocks = self._module_blocks[module]
+        if torch.is_grad_enabled():
+            needing = [t for t in _tensors(output) if t.requires_grad]
+            if needing:
+                # Backward reaches this module's outputs before it needs the parameters it saved.
+                register_multi_grad_hook(needing, lambda grad: self._gather_for_backward(blocks), mode="any")
+        for block in blocks:
+            block.release()
+
+    def _gather_for_backward(self, blocks: Sequence[_Block]) -> None:
+        self._gather(blocks)
+        if self._next_in_backward is not None and (ahead := self._next_in_backward.get(id(blocks[0]))):
+            ahead.start_gather()  # prefetch the block backward reaches next
+
+    def _gather(self, blocks: Sequence[_Block]) -> None:
+        for block in blocks:
+            block.gather()
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _after_accumulate(self, p: torch.Tensor) -> None:
+        block, _ = self._block_of[id(p)]
+        block.ready.add(id(p))
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        order = self._blocks[::-1]
+        while (
+            self._next_reduce < len(order)
+            and len(order[self._next_reduce].ready) >= order[self._next_reduce].trainable
+        ):
+            self._start_block(order[self._next_reduce])
+            self._next_reduce += 1
+
+    def _start_block(self, block: _Block) -> None:
+        """A block's gradients are complete: start its reduction (it overlaps the rest of backward);
+        at ``"parameters"`` its full parameters are not needed any more."""
+        if self._sync and block.trainable:
+            block.start_reduce(self._grad_scale)
+        if self.shard == "parameters" and block.resident and block.trainable:
+            block.release()  # a frozen block's backward may still come: released at the end
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        try:
+            for block in self._blocks[::-1][self._next_reduce :]:
+                self._start_block(block)
+            for block in self._blocks[::-1]:
+                block.finish_reduce()
+        finally:
+            self._next_reduce = 0
+            for block in self._blocks:
+                block.ready.clear()
+                if self.shard == "parameters" and (block.resident or block.gathering):
+                    block.release()  # a frozen module's, or a prefetch nobody used
+            if self._next_in_forward is None and self._forward_order:
+                order = self._forward_order
+                self._next_in_forward = {id(a): b for a, b in pairwise(order)}
+                self._next_in_backward = {id(b): a for a, b in pairwise(order)}
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _set_step_info(self, info: StepInfo) -> None:
+        super()._set_step_info(info)
+        self._grad_scale = self._replica_weights()[0]
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        self._grad_scale = self._replica_weights()[0]
+        return super().run(fn, args, kwargs)
+
+    def _shards_of(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """The shard parameters standing for ``params`` (model parameters or shards themselves)."""
+        out: dict[int, nn.Parameter] = {}
+        for p in params:
+            if id(p) in self._shard_to_block:
+                out[id(p)] = p
+            elif id(p) in self._block_of:
+                block, i = self._block_of[id(p)]
+                out[id(block.shards[i])] = block.shards[i]
+            else:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is not managed by this ShardedStrategy; "
+                    f"build the model inside strategy.scope() or pass it to strategy.prepare_model"
+                )
+        return list(out.values())
+
+    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """The norm over every rank's shards: squared shard norms summed over ranks (collective)."""
+        local = local_norm(self._shards_of(params), self.device).double()
+        squares = local * local
+        self.collectives.all_reduce(squares, name="sharded.grad_norm")
+        return squares.sqrt().float()
+
+    def clip_gradients(
+        self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
+    ) -> torch.Tensor:
+        shards = self._shards_of(params)
+        norm = self.global_grad_norm(shards)
+        if max_norm is not None:
+            scale_by_norm(shards, max_norm, norm)
+        if max_value is not None:
+            clamp_values(shards, max_value)
+        return norm
+
+    def check_precision(self, precision: str) -> None:
+        if precision == "fp16":
+            raise ValueError(
+                "ShardedStrategy does not train in precision='fp16': the loss scaler's overflow check "
+                "would see each rank's gradient shard and could skip a step on some ranks only; use 'bf16'"
+            )
+
+    # -- the optimizer -----------------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer`` step this rank's shards: each managed parameter in its groups is replaced
+        by its shard (groups, hyperparameters and the object itself stay), and state it already
+        holds is cut to the shard. Idempotent; a custom loop's first ``optimizer.step()`` calls it."""
+        if optimizer in self._prepared:
+            return optimizer
+        for group in optimizer.param_groups:
+            group["params"] = self._shards_of(group["params"]) if group["params"] else []
+        for p in list(optimizer.state):
+            if id(p) in self._block_of:
+                block, i = self._block_of[id(p)]
+                state = optimizer.state.pop(p)
+                optimizer.state[block.shards[i]] = {
+                    k: self._chunk_state(block, i, k, v) for k, v in state.items()
+                }
+        self._prepared.add(optimizer)
+        return optimizer
+
+    def _chunk_state(self, block: _Block, i: int, key: str, value: Any) -> Any:
+        if _is_per_element(key, value, block.layout.shapes[i]):
+            return block.layout.chunk_of(i, value, self.collectives.rank)
+        return value
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for block in self._blocks:
+            if block.gathering:  # a prefetch must not read shards the step is changing
+                block.release()
+        if optimizer not in self._prepared and any(
+            id(p) in self._block_of for group in optimizer.param_groups for p in group["params"]
+        ):
+            self.prepare_optimizer(optimizer)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._closed:
+            return
+        stepped = {
+            id(b)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if (b := self._shard_to_block.get(id(p))) is not None
+        }
+        if not stepped:
+            return
+        blocks = [b for b in self._blocks if id(b) in stepped]
+        for block in blocks:
+            block.resident = False  # the step changed the shards: the model's values are stale
+            if self.shard != "parameters":
+                block.start_gather()  # every block's all-gather in flight at once
+        for block in blocks:
+            if self.shard == "parameters":
+                block.release()  # the next forward gathers the new values
+            else:
+                block.gather()
+        if self._buffers is not None:
+            self._buffers.sync(self._buffer_weight)
+
+    # -- state in the one-device layout ------------------------------------------------------------
+    @property
+    def state_is_collective(self) -> bool:
+        return True
+
+    @property
+    def holds_current_weights(self) -> bool:
+        return self.shard != "parameters"
+
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Collective: inside, every managed parameter holds its full current value (gathered at
+        ``shard="parameters"``, released again on the way out)."""
+        gathered = [b for b in self._blocks if not b.resident]
+        for block in gathered:
+            block.gather()
+        try:
+            yield
+        finally:
+            for block in gathered:
+                block.release()
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        with self.unsharded():
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def gather_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full one-device weights of ``model`` (collective): :meth:`model_state_dict`."""
+        return self.model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        with self.unsharded():
+            model.load_state_dict(state)
+            for block in self._blocks:
+                block.refresh_shards()
+
+    def optimizer_parameter_shapes(self, optimizer: torch.optim.Optimizer) -> list[torch.Size]:
+        shapes = []
+        for p in self._optimizer_params(optimizer):
+            block = self._shard_to_block.get(id(p))
+            shapes.append(block.layout.shapes[_index_in(block, p)] if block is not None else p.shape)
+        return shapes
+
+    def _optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        self.prepare_optimizer(optimizer)
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The one-device optimizer state (collective): per-element state gathered from every rank."""
+        params = self._optimizer_params(optimizer)
+        saved = optimizer.state_dict()
+        full: dict[int, dict[str, Any]] = {}
+        for index, state in saved["state"].items():
+            block = self._shard_to_block.get(id(params[index]))
+            if block is None:
+                full[index] = state
+                continue
+            i = _index_in(block, params[index])
+            full[index] = {k: self._gather_state(block, i, k, v) for k, v in state.items()}
+        return {"state": full, "param_groups": saved["param_groups"]}
+
+    def _gather_state(self, block: _Block, i: int, key: str, value: Any) -> Any:
+        if not _is_per_element(key, value, block.shards[i].shape):
+            return value
+        layout = block.layout
+        gathered = value.new_empty(layout.world_size * layout.chunks[i])
+        self.collectives.all_gather_into(gathered, value.contiguous(), name="sharded.gather_optimizer_state")
+        return gathered[: layout.numel(i)].view(layout.shapes[i]).clone()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a one-device optimizer state, keeping this rank's chunk of per-element state."""
+        params = self._optimizer_params(optimizer)
+        mine: dict[int, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            block = self._shard_to_block.get(id(params[int(index)]))
+            if block is None:
+                mine[index] = entry
+                continue
+            i = _index_in(block, params[int(index)])
+            mine[index] = {k: self._chunk_state(block, i, k, v) for k, v in entry.items()}
+        optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes this rank holds: the model's parameters (0 for released ones) and its shards; the
+        model's and the shards' gradients and the all-reduce buffers; ``optimizer``'s state."""
+        seen: set[int] = set()
+        shards = [s for b in self._blocks for s in b.shards]
+        params = storage_bytes(
+            [
+                *self.managed_parameters,
+                *(f for b in self._blocks for f in b.full),
+                *(b.flat_shard for b in self._blocks),
+            ],
+            seen,
+        )
+        grads = storage_bytes(
+            [
+                *(p.grad for p in self.managed_parameters),
+                *(s.grad for s in shards),
+                *(b.grad_buffer for b in self._blocks),
+            ],
+            seen,
+        )
+        state = storage_bytes(optimizer_state_tensors(optimizer), seen)
+        return MemoryReport(parameter_bytes=params, gradient_bytes=grads, optimizer_state_bytes=state)
+
+    def close(self) -> None:
+        self._pre_step_hook.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _index_in(block: _Block, shard: torch.Tensor) -> int:
+    return next(j for j, s in enumerate(block.shards) if s is shard)
+
+
+def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether an optimizer state entry has one value per parameter element (momentum, moments);
+    ``step`` counts are shared even for a 0-dim parameter."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
+
+
+def _unit_regions(modules: list[nn.Module], units: Units) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """The units of the new modules, each with its *region*: the unit's module and its descendants
+    that are not in a nested unit, in depth-first order from the roots (modules that are no other
+    new module's child). Units: every root, plus (``units=`` classes) each module of those classes,
+    or (``units="modules"``) every module holding parameters of its own instead."""
+    children = {id(c) for m in modules for c in m.children()}
+    roots = [m for m in _unique_modules(modules) if id(m) not in children]
+
+    def is_unit(module: nn.Module, root: bool) -> bool:
+        if units == "modules":
+            return any(p is not None for p in module._parameters.values())
+        if isinstance(units, str):  # "model"
+            return root
+        return root or isinstance(module, units)
+
+    regions: list[tuple[nn.Module, list[nn.Module]]] = []
+
+    def visit(module: nn.Module, region: list[nn.Module] | None, root: bool) -> None:
+        if is_unit(module, root):
+            region = [module]
+            regions.append((module, region))
+        elif region is not None:
+            region.append(module)
+        for child in module.children():
+            visit(child, region, False)
+
+    for root in roots:
+        visit(root, None, True)
+    return regions
+
+
+def _blocks_by_unit(
+    params: list[nn.Parameter], regions: list[tuple[nn.Module, list[nn.Module]]]
+) -> list[list[nn.Parameter]]:
+    """One block per unit: the new parameters its region's modules hold (first unit wins a tied
+    weight); each parameter gets a storage of its own, released and regrown alone."""
+    new = {id(p) for p in params}
+    blocks: list[list[nn.Parameter]] = []
+    owned: set[int] = set()
+    for _, region in regions:
+        mine = []
+        for module in region:
+            for p in module._parameters.values():
+                if p is not None and id(p) in new and id(p) not in owned:
+                    owned.add(id(p))
+                    if (
+                        p.storage_offset() != 0
+                        or p.untyped_storage().nbytes() != p.numel() * p.element_size()
+                    ):
+                        p.data = p.detach().clone()
+                    mine.append(p)
+        if mine:
+            blocks.append(mine)
+    if len(owned) != len(new):
+        raise SpreadError("ShardedStrategy(shard='parameters'): a new parameter belongs to no module")
+    return blocks
+
+
+def _unique_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    return list({id(m): m for m in modules}.values())
+
+
+def _blocks_by_size(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one device and dtype, at most ``cap_bytes`` a block (unless one
+    parameter alone is larger)."""
+    blocks: list[list[nn.Parameter]] = []
+    open_by_key: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+    for p in params:
+        key = (p.device, p.dtype)
+        nbytes = p.numel() * p.element_size()
+        current = open_by_key.get(key)
+        if current is None or (current[1] + nbytes > cap_bytes and current[0]):
+            current = ([], 0)
+            blocks.append(current[0])
+        current[0].append(p)
+        open_by_key[key] = (current[0], current[1] + nbytes)
+    return blocks
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
