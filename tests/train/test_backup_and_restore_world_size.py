@@ -115,6 +115,8 @@ backup_dir, crash_at, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if kind == "pipeline":  # 2 stages, as many pipeline replicas as pairs of processes
     world = int(os.environ["WORLD_SIZE"])
     strategy = spread.PipelineStrategy(stages=2, microbatches=2, replicas=world // 2)
+elif kind == "sharded":
+    strategy = spread.ShardedStrategy(shard="parameters")
 else:
     strategy = spread.MultiWorkerMirroredStrategy()
 
@@ -167,14 +169,15 @@ def _spread_run(
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-def test_multi_worker_job_killed_at_2_processes_resumes_at_1_3_and_4(tmp_path):
-    code, log, reference = _spread_run(tmp_path, 2, tmp_path / "ref", crash_at=0)
+@pytest.mark.parametrize("kind,sizes", [("mwms", (1, 3, 4)), ("sharded", (3,))])
+def test_a_job_killed_at_2_processes_resumes_at_another_size(tmp_path, kind, sizes):
+    code, log, reference = _spread_run(tmp_path, 2, tmp_path / "ref", crash_at=0, kind=kind)
     assert code == 0 and reference is not None, log[-3000:]
-    for resume_at in (1, 3, 4):
+    for resume_at in sizes:
         backup = tmp_path / f"backup-{resume_at}"
-        code, log, _ = _spread_run(tmp_path, 2, backup, crash_at=11)  # rank 1 SIGKILLed; backup of step 9
-        assert code != 0 and (backup / "ckpt-0000000009").is_dir(), log[-3000:]
-        code, log, result = _spread_run(tmp_path, resume_at, backup, crash_at=0)
+        code, log, _ = _spread_run(tmp_path, 2, backup, crash_at=11, kind=kind)  # rank 1 SIGKILLed
+        assert code != 0 and (backup / "ckpt-0000000009").is_dir(), log[-3000:]  # backup of step 9
+        code, log, result = _spread_run(tmp_path, resume_at, backup, crash_at=0, kind=kind)
         assert code == 0 and result is not None, log[-3000:]
         assert result["restored"] == 9 and result["from"] == 2 and result["world"] == resume_at
         for key, values in reference["weights"].items():
