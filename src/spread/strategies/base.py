@@ -198,8 +198,14 @@ class Strategy(abc.ABC):
             _push_scope(self)
             stack.callback(_pop_scope, self)
             yield self
+        # Also what the new modules hold without having registered it in the scope: layers copied
+        # with copy.deepcopy (nn.TransformerEncoder clones its layer) register nothing.
+        modules = _unique([sub for module in created_modules for sub in module.modules()])
+        for module in modules:
+            created_params.extend(module.parameters(recurse=False))
+            created_buffers.extend(module.buffers(recurse=False))
         self._adopt(created_params, created_buffers)
-        self._on_new_modules(_unique(created_modules))
+        self._on_new_modules(modules)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Manage a model built outside ``scope()``: move it to the device, sync it, hook its gradients."""
