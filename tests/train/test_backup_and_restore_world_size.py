@@ -7,10 +7,6 @@ refusals of strategies whose backups are per task.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +16,7 @@ from torch import nn
 
 import spread
 from spread.errors import CheckpointMismatchError
+from spread.testing.processes import spread_run
 from spread.train.callbacks import BackupAndRestore, Callback
 
 N, BATCH, EPOCHS = 100, 16, 3  # 7 steps per epoch, the last one uneven (4 samples)
@@ -151,20 +148,8 @@ def _spread_run(
 ) -> tuple[int, str, dict | None]:
     script = tmp_path / "elastic_train.py"
     script.write_text(SCRIPT)
-    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", SPREAD_COLLECTIVE_TIMEOUT="20")
-    spread_bin = str(Path(sys.executable).parent / "spread")
-    out = subprocess.run(
-        [spread_bin, "run", "-n", str(nproc), str(script), str(backup), str(crash_at), kind],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    lines = [line for line in out.stdout.splitlines() if "RESULT " in line]
-    result = json.loads(lines[0].split("RESULT ", 1)[1]) if lines else None
-    return out.returncode, out.stdout + out.stderr, result
+    run = spread_run(script, nproc, str(backup), str(crash_at), kind)
+    return run.returncode, run.log, run.result
 
 
 @pytest.mark.processes

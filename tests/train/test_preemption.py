@@ -3,11 +3,8 @@ exits with 143 and no traceback, and the next fit resumes exactly (at this world
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 from torch import nn
 
 import spread
+from spread.testing.processes import spread_run
 from spread.train.callbacks import BackupAndRestore, Callback
 from spread.train.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, TrainingPreempted
 
@@ -164,20 +162,8 @@ if strategy.is_chief:
 def _spread_run(tmp_path: Path, nproc: int, backup: Path, sigterm_at: int, target: str = "launcher"):
     script = tmp_path / "preempted_train.py"
     script.write_text(SCRIPT)
-    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", SPREAD_COLLECTIVE_TIMEOUT="20")
-    spread_bin = str(Path(sys.executable).parent / "spread")
-    out = subprocess.run(
-        [spread_bin, "run", "-n", str(nproc), str(script), str(backup), str(sigterm_at), target],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    lines = [line for line in out.stdout.splitlines() if "RESULT " in line]
-    weights = json.loads(lines[0].split("RESULT ", 1)[1]) if lines else None
-    return out.returncode, out.stdout + out.stderr, weights
+    run = spread_run(script, nproc, str(backup), str(sigterm_at), target)
+    return run.returncode, run.log, run.result
 
 
 @pytest.mark.processes
@@ -190,9 +176,10 @@ def test_a_preempted_job_exits_143_after_a_backup_and_resumes_at_another_size(tm
     code, log, _ = _spread_run(tmp_path, 2, backup, sigterm_at=6, target=target)
     assert code == 143, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    # the signal reaches the ranks during step 6 (to a rank) or a moment later (through the launcher)
+    # The signal reaches the rank during step 6 (sent to itself) or some time later (forwarded by
+    # the launcher: a step or more on a loaded machine); the backup is of the step it arrived in.
     saved = max(int(p.name.removeprefix("ckpt-")) for p in backup.glob("ckpt-*"))
-    assert saved == 6 if target == "rank" else saved in (6, 7), log[-3000:]
+    assert saved == 6 if target == "rank" else 6 <= saved < 21, log[-3000:]
     assert f"preempted (SIGTERM): backed up step {saved}" in log
     code, log, weights = _spread_run(tmp_path, 3, backup, sigterm_at=0)
     assert code == 0 and weights is not None, log[-3000:]

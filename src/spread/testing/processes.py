@@ -6,10 +6,16 @@ cannot see them; tests that kill ranks on purpose record their pids and call :fu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -38,3 +44,31 @@ def reap_survivors(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     return survivors
+
+
+@dataclass
+class SpreadRun:
+    """What ``spread run`` of a test script did: exit code, output, and its ``RESULT <json>`` line."""
+
+    returncode: int
+    log: str  # stdout then stderr
+    result: Any  # the JSON after the first "RESULT " on stdout, or None
+
+
+def spread_run(script: Path, nproc: int, *args: str, timeout: float = 240.0) -> SpreadRun:
+    """Run ``spread run -n nproc script args...`` as a user would (no inherited rank variables,
+    one intra-op thread per rank, a 20 s collective timeout), under a hard ``timeout``."""
+    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", SPREAD_COLLECTIVE_TIMEOUT="20")
+    spread_bin = str(Path(sys.executable).parent / "spread")
+    out = subprocess.run(
+        [spread_bin, "run", "-n", str(nproc), str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = [line for line in out.stdout.splitlines() if "RESULT " in line]
+    result = json.loads(lines[0].split("RESULT ", 1)[1]) if lines else None
+    return SpreadRun(out.returncode, out.stdout + out.stderr, result)
