@@ -3,13 +3,12 @@ batch, the same slices as when every process read the whole stream (threads stan
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch.utils.data import IterableDataset
 
 from spread.data import DistributedDataset, ReplicaLayout
+from spread.testing.threads import ThreadChannels, run_threads
 
 
 class _Stream(IterableDataset):
@@ -22,49 +21,16 @@ class _Stream(IterableDataset):
             yield ({"x": torch.tensor([float(i)]), "name": f"s{i}"} if self.strings else torch.tensor(i))
 
 
-class _Channel:
-    """A DataChannel over threads: the one collective a test needs (the other is not called)."""
-
-    def __init__(self, collective) -> None:
-        self.sum_over_processes = self.broadcast_from_first_process = collective
-
-
 def _as_processes(streams: list[_Stream], gbs: int, dispatch: bool) -> list[list]:
     """Each 'process' iterates its DistributedDataset over its own stream object."""
-    processes = len(streams)
-    barrier = threading.Barrier(processes)
-    shared: list[list[torch.Tensor]] = [[]]
-    out: list = [None] * processes
-    errors: list[BaseException] = []
+    channels = ThreadChannels(len(streams))
 
-    def run(p: int) -> None:
-        def from_first(tensors: list[torch.Tensor]) -> None:
-            if p == 0:
-                shared[0] = [t.clone() for t in tensors]
-            barrier.wait(timeout=10)
-            if p != 0:
-                for t, sent in zip(tensors, shared[0], strict=True):
-                    t.copy_(sent)
-            barrier.wait(timeout=10)
+    def run(p: int) -> list:
+        layout = ReplicaLayout(len(streams), p, 1, process_index=p, num_processes=len(streams))
+        ds = DistributedDataset(streams[p], gbs, layout, channel=channels.channel(p) if dispatch else None)
+        return [b.tolist() for b in ds]
 
-        try:
-            layout = ReplicaLayout(processes, p, 1, process_index=p, num_processes=processes)
-            ds = DistributedDataset(
-                streams[p], gbs, layout, channel=_Channel(from_first) if dispatch else None
-            )
-            out[p] = [b.tolist() for b in ds]
-        except BaseException as exc:
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    if errors:
-        raise errors[0]
-    return out
+    return run_threads(run, len(streams), channels)
 
 
 def test_one_reader_gives_every_process_the_slices_of_a_full_read():

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo, split_sizes
+from spread.testing.threads import ThreadChannels, run_threads
 from spread.values import PerReplica
-
-
-class _Channel:
-    """A DataChannel over threads: the one collective a test needs (the other is not called)."""
-
-    def __init__(self, collective) -> None:
-        self.sum_over_processes = self.broadcast_from_first_process = collective
 
 
 def _ids(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,40 +198,18 @@ class _MapFiles(Dataset):
 
 def _run_processes(make_dataset, processes: int, gbs: int, epochs: int = 1):
     """Each process's (batches, step infos, len) with a threaded sum standing in for the all-reduce."""
-    barrier = threading.Barrier(processes)
-    slots: list[torch.Tensor | None] = [None] * processes
-    results: list = [None] * processes
-    errors: list[BaseException] = []
+    channels = ThreadChannels(processes)
 
-    def run(p: int) -> None:
-        def exchange(counts: torch.Tensor) -> torch.Tensor:
-            slots[p] = counts.clone()
-            barrier.wait(timeout=10)
-            total = torch.stack([s for s in slots if s is not None]).sum(0)
-            barrier.wait(timeout=10)
-            return total
+    def run(p: int):
+        infos: list[StepInfo] = []
+        layout = ReplicaLayout(processes, p, 1, process_index=p, num_processes=processes)
+        ds = DistributedDataset(
+            make_dataset(), gbs, layout, on_step=infos.append, channel=channels.channel(p), shuffle=False
+        )
+        length = len(ds) if hasattr(ds.dataset, "__len__") else None
+        return [b.tolist() for _ in range(epochs) for b in ds], infos, length
 
-        try:
-            infos: list[StepInfo] = []
-            layout = ReplicaLayout(processes, p, 1, process_index=p, num_processes=processes)
-            ds = DistributedDataset(
-                make_dataset(), gbs, layout, on_step=infos.append, channel=_Channel(exchange), shuffle=False
-            )
-            length = len(ds) if hasattr(ds.dataset, "__len__") else None
-            batches = [b.tolist() for _ in range(epochs) for b in ds]
-            results[p] = (batches, infos, length)
-        except BaseException as exc:
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    if errors:
-        raise errors[0]
-    return results
+    return run_threads(run, processes, channels)
 
 
 def test_uneven_file_shards_end_the_epoch_together_with_every_sample_once():

@@ -9,8 +9,9 @@ when it passes; this module turns gloo's and NCCL's messages into :class:`Collec
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -177,28 +178,25 @@ class Collectives:
         self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
     ) -> PendingCollective:
         """Start :meth:`reduce_scatter`; ``wait()`` before reading ``output``."""
-        seq = next(self._seq)
-        if self.world_size == 1:
-            output.copy_(tensor.view(-1))
-            return PendingCollective(None, self.rank, name, seq)
-        self._check_open(name, seq)
-        try:
-            work = dist.reduce_scatter_single(output, tensor, group=self.group, async_op=True)
-        except (RuntimeError, dist.DistError) as exc:
-            raise classify_error(self.rank, name, seq, exc) from exc
-        return PendingCollective(work, self.rank, name, seq)
+        return self._start_into(dist.reduce_scatter_single, output, tensor, name)
 
     def all_gather_into_async(
         self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "all_gather_into"
     ) -> PendingCollective:
         """Start :meth:`all_gather_into`; ``wait()`` before reading ``output``."""
+        return self._start_into(dist.all_gather_single, output, tensor, name)
+
+    def _start_into(
+        self, collective: Callable[..., Any], output: torch.Tensor, tensor: torch.Tensor, name: str
+    ) -> PendingCollective:
+        """Start ``collective(output, tensor)`` (a ``*_single`` op) asynchronously; one rank: a copy."""
         seq = next(self._seq)
         if self.world_size == 1:
             output.copy_(tensor.view(-1))
             return PendingCollective(None, self.rank, name, seq)
         self._check_open(name, seq)
         try:
-            work = dist.all_gather_single(output, tensor, group=self.group, async_op=True)
+            work = collective(output, tensor, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self.rank, name, seq, exc) from exc
         return PendingCollective(work, self.rank, name, seq)

@@ -266,18 +266,7 @@ class Trainer:
         steps = len(train) if hasattr(train.dataset, "__len__") else None
         if steps_per_epoch is not None:
             steps = min(steps, steps_per_epoch) if steps is not None else steps_per_epoch
-        self.params = {
-            "epochs": epochs,
-            "steps": steps,
-            "global_batch_size": global_batch_size,
-            "verbose": verbose,
-        }
-        defaults: list[Callback] = [self.history]
-        if verbose:
-            defaults.append(ProgressBar(verbose=verbose))
-        cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
-        self.active_callbacks = list(cbs)
-        self.stop_training = False
+        cbs = self._start_fit(epochs, steps, global_batch_size, verbose, callbacks, progress=bool(verbose))
         self.train_dataset = train
         self.resume_point = None
         try:
@@ -310,18 +299,10 @@ class Trainer:
     ) -> History:
         """``fit`` with a coordinator (:mod:`spread.train.coordinated`): the chief drives, workers serve."""
         assert self.coordinator is not None
-        self.params = {
-            "epochs": epochs,
-            "steps": steps_per_epoch,
-            "global_batch_size": global_batch_size,
-            "verbose": verbose,
-        }
-        defaults: list[Callback] = [self.history]
-        if verbose and self.strategy.is_chief:
-            defaults.append(ProgressBar(verbose=verbose))
-        cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
-        self.active_callbacks = list(cbs)
-        self.stop_training = False
+        progress = bool(verbose) and self.strategy.is_chief  # workers serve steps; they print nothing
+        cbs = self._start_fit(
+            epochs, steps_per_epoch, global_batch_size, verbose, callbacks, progress=progress
+        )
         try:
             return fit_coordinated(
                 self,
@@ -339,6 +320,32 @@ class Trainer:
         finally:
             cbs.call("on_fit_exit")
             self.active_callbacks = []
+
+    def _start_fit(
+        self,
+        epochs: int,
+        steps: int | None,
+        global_batch_size: int,
+        verbose: int,
+        callbacks: Sequence[Callback] | None,
+        *,
+        progress: bool,
+    ) -> CallbackList:
+        """What every ``fit`` sets up first: ``params``, this fit's callbacks (History, a progress
+        bar when ``progress``, the trainer's, the call's), a cleared stop flag."""
+        self.params = {
+            "epochs": epochs,
+            "steps": steps,
+            "global_batch_size": global_batch_size,
+            "verbose": verbose,
+        }
+        defaults: list[Callback] = [self.history]
+        if progress:
+            defaults.append(ProgressBar(verbose=verbose))
+        cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
+        self.active_callbacks = list(cbs)
+        self.stop_training = False
+        return cbs
 
     def train_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """One optimizer step on ``batch`` as ``fit`` takes it (what a coordinated fit's workers run)."""
