@@ -345,6 +345,11 @@ class _ErrorFiles:
                 causes.append((float(raised_at), rank))
         return min(causes)[1] if causes else None
 
+    def lost_a_peer(self, attempt: int, rank: int) -> bool:
+        """Whether ``rank`` recorded an exception that only reports another rank's failure."""
+        info = (self._record(attempt, rank) or {}).get("spread")
+        return isinstance(info, dict) and info.get("exception") in _CONSEQUENCES
+
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -533,6 +538,8 @@ class _Attempt:
         an exception raised earlier that is not itself a consequence (rank 1 raises; rank 0 sees its
         peer gone and happens to exit first). Such a rank exits 1, as python does on an exception,
         unless it exited by itself with another code before it was stopped."""
+        if not self.launch.errors.lost_a_peer(self.number, first.rank):
+            return first  # killed by a signal, or its own exception: it is the cause
         failed = {self.rank(r): code for r, code in self.returncodes.items() if code != 0}
         cause = self.launch.errors.raised_first(self.number, failed)
         if cause is None or cause == first.rank:
