@@ -88,29 +88,31 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _both(flags: list[str], script: str, args: list[str], cwd: Path) -> dict[str, tuple[int, list[str]]]:
-    """Run under each launcher (a fresh working directory each); returns (exit code, rank 0's lines)."""
+    """Run under each launcher (a fresh working directory each); returns (exit code, rank 0's lines).
+
+    torchrun runs with ``--tee 3`` so that it, like spread run, tags each line with its rank: bare,
+    two ranks' unbuffered prints interleave mid-line in the shared pipe ("Loading snapshotResuming").
+    """
     results = {}
     for name, launcher in LAUNCHERS.items():
         torchrun = name == "torchrun"
         for attempt in range(TORCHRUN_ATTEMPTS if torchrun else 1):
             workdir = cwd / name.replace(" ", "_") / str(attempt)
             workdir.mkdir(parents=True)
-            argv = [*launcher, *flags, str(SCRIPTS / script), *args]
+            tee = ["--tee", "3"] if torchrun else []
+            argv = [*launcher, *flags, *tee, str(SCRIPTS / script), *args]
             proc = _run(argv, workdir, TORCHRUN_HANG if torchrun else 240, hang_is_an_answer=torchrun)
             if not torchrun or not _torchrun_own_failure(proc):
                 break
         assert proc.returncode is not None, f"torchrun failed on its own {TORCHRUN_ATTEMPTS} times in a row"
+        rank0 = "[default0]:" if torchrun else "[rank 0] "
         lines = proc.stdout.splitlines()
-        if name == "spread run":  # spread tags every line; torchrun passes every rank's lines through bare
-            assert all(line.startswith("[rank ") for line in lines), lines
-            others = [line.split("] ", 1)[1] for line in lines if not line.startswith("[rank 0] ")]
-            lines = [line.removeprefix("[rank 0] ") for line in lines if line.startswith("[rank 0] ")]
-        results[name] = (proc.returncode, lines)
+        assert all(line.startswith("[default" if torchrun else "[rank ") for line in lines), lines
+        results[name] = (
+            proc.returncode,
+            [line.removeprefix(rank0) for line in lines if line.startswith(rank0)],
+        )
         print(name, proc.returncode, proc.stderr[-1500:])
-    torchrun_lines = results["torchrun"][1]
-    for line in others:  # what the other ranks printed (spread run says which), rank 0's lines remain
-        if line in torchrun_lines:
-            torchrun_lines.remove(line)
     return results
 
 
