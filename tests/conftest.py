@@ -3,10 +3,15 @@
 The fast tier (``scripts/test.sh --fast``, ``SPREAD_TEST_FAST=1``) deselects tests marked
 ``processes`` or ``slow``, and refuses to start a process in the tests it keeps: a test that starts
 one without the ``processes`` mark fails at once, naming the mark, so the tier stays honest.
+
+The suite is a CPU suite (what CI has): on a machine with GPUs it hides them (``CUDA_VISIBLE_DEVICES``
+empty, for the ranks it starts too) unless ``SPREAD_TEST_GPU=1``, which the GPU tests in
+``tests/gpu`` need (``SPREAD_TEST_GPU=1 python -m pytest tests/gpu``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import os
 import subprocess
@@ -17,6 +22,8 @@ import pytest
 import torch.distributed as dist
 
 FAST_TIER = os.environ.get("SPREAD_TEST_FAST") == "1"
+if os.environ.get("SPREAD_TEST_GPU") != "1":  # before anything initialises CUDA
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 UNMARKED_PROCESS = (
     "this test starts a process but is not marked pytest.mark.processes "
     "(the fast tier, scripts/test.sh --fast, runs no multi-process tests)"
@@ -50,6 +57,13 @@ def _live_children() -> list[psutil.Process]:
     return alive
 
 
+def _command(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()[:3]
+    except psutil.Error:  # exited, or a zombie, since it was listed
+        return ["?"]
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     before = {p.pid for p in _live_children()}
@@ -59,9 +73,11 @@ def no_leaks():
     while leaked and time.monotonic() < deadline:
         time.sleep(0.1)
         leaked = [p for p in _live_children() if p.pid not in before]
+    described = [(p.pid, _command(p)) for p in leaked]  # before the kill: a killed child is a zombie
     for p in leaked:
-        p.kill()
-    assert not leaked, f"test left processes behind: {[(p.pid, p.cmdline()[:3]) for p in leaked]}"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    assert not leaked, f"test left processes behind: {described}"
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a torch.distributed process group initialised")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 
@@ -37,6 +38,14 @@ def select_replica(structure: Any, index: int) -> Any:
     """Replace every PerReplica leaf in ``structure`` by its value for replica ``index``."""
     return pytree.tree_map(
         lambda x: x.values[index] if isinstance(x, PerReplica) else x, structure, is_leaf=is_per_replica
+    )
+
+
+def on_device(structure: Any, device: torch.device) -> Any:
+    """``structure`` with its tensors on ``device`` (copied where they are elsewhere), as DDP does with
+    a module's inputs: a step given CPU tensors runs unchanged on a GPU replica."""
+    return pytree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, structure
     )
 
 

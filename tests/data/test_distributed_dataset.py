@@ -110,6 +110,31 @@ def test_generic_map_dataset_with_dict_samples():
     assert [b["y"].tolist() for b in batches] == [[4, 9], [36, 49], [81]]
 
 
+def test_a_dict_of_tensors_is_a_column_store_split_like_a_tuple():
+    """Keras' ``fit(x={"input_ids": ...})``: named columns of equal length, batches are dicts."""
+    x, y = _ids(10)
+    layout = ReplicaLayout(2, 1, 1, process_index=1, num_processes=2)
+    as_dict = list(DistributedDataset({"x": x, "y": y}, 4, layout, seed=3))
+    as_tuple = list(DistributedDataset((x, y), 4, layout, seed=3))
+    assert [sorted(b) for b in as_dict] == [["x", "y"]] * 3
+    assert [b["y"].tolist() for b in as_dict] == [b[1].tolist() for b in as_tuple]
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ({"x": torch.zeros(10, 1), "y": torch.zeros(3)}, r"differ in length.*'x': 10, 'y': 3"),
+        ((torch.zeros(10, 1), torch.zeros(3)), r"differ in length.*0: 10, 1: 3"),
+        ({"x": [1, 2, 3]}, r"dict of data must map names to tensors.*'x': 'list'"),
+        ({"x": torch.tensor(1.0)}, r"dict of data must map names to tensors with a batch dimension"),
+        ({}, r"got nothing"),
+    ],
+)
+def test_bad_column_data_is_refused_clearly(data, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedDataset(data, 4, ReplicaLayout(1, 0, 1))
+
+
 class _Stream(IterableDataset):
     def __iter__(self):
         for i in range(11):

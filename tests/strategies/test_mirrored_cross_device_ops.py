@@ -3,6 +3,8 @@ unused parameters like autograd does, and leaves plain backward passes outside `
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from _equivalence_cases import max_relative_difference, train_custom_loop
@@ -34,6 +36,38 @@ def test_every_cross_device_op_equals_one_device(reference, replicas, cross_devi
     finally:
         strategy.close()
     assert max_relative_difference(weights, reference[optimizer_name]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("cross_device_ops", CROSS_DEVICE_OPS)
+def test_replicas_whose_backward_runs_on_another_thread_run_one_at_a_time(reference, cross_device_ops):
+    """Replicas on an accelerator run one after another so the gradient hooks, on the device's
+    thread, still know whose gradient they weigh; simulated here by a backward on its own thread."""
+    strategy = spread.MirroredStrategy(num_replicas=2, cross_device_ops=cross_device_ops, intra_op_threads=1)
+    strategy._one_at_a_time = True  # what a GPU device sets; the pool stays unused
+    real_backward = torch.Tensor.backward
+
+    def backward_elsewhere(loss, *args, **kwargs):
+        error = []
+        thread = threading.Thread(target=lambda: _capture(error, real_backward, loss, *args, **kwargs))
+        thread.start()
+        thread.join()
+        if error:
+            raise error[0]
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "backward", backward_elsewhere)
+            weights = train_custom_loop(strategy, "adamw")
+    finally:
+        strategy.close()
+    assert max_relative_difference(weights, reference["adamw"]) <= TOLERANCE
+
+
+def _capture(errors: list, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except BaseException as exc:
+        errors.append(exc)
 
 
 class TwoHeads(nn.Module):

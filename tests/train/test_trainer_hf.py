@@ -63,6 +63,17 @@ def test_gpt2_on_dict_batches_under_mirrored_equals_one_device():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_dict_of_tensors_trains_like_a_dataset_of_dict_samples():
+    """``fit({"input_ids": ids, ...})``, Keras' named inputs: the same batches as the sample dicts."""
+    data = TokenBatches(10)
+    columns = {"input_ids": data.ids, "attention_mask": data.mask, "labels": data.labels}
+    samples_logs, samples = _train(spread.MirroredStrategy(num_replicas=2), data, _gpt2)
+    columns_logs, by_columns = _train(spread.MirroredStrategy(num_replicas=2), columns, _gpt2)
+    assert columns_logs["loss"] == samples_logs["loss"]
+    for (name, a), b in zip(samples.state_dict().items(), by_columns.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
 def test_a_replica_without_samples_takes_part_with_zero_gradients():
     data = TokenBatches(9)  # the last global batch has 1 sample: replica 1 gets none
     one_logs, one = _train(spread.OneDeviceStrategy(), data, _gpt2)

@@ -18,6 +18,13 @@ import torch.distributed as dist
 
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
+# torch 2.13 named the flat collectives ``*_single`` (the old names warn there); torch before 2.13
+# has only the old names, with the same signatures.
+if hasattr(dist, "reduce_scatter_single"):
+    _reduce_scatter_flat, _all_gather_flat = dist.reduce_scatter_single, dist.all_gather_single
+else:  # pragma: no cover - older torch (the GPU machines' 2.11)
+    _reduce_scatter_flat, _all_gather_flat = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # gloo and NCCL report failures as text only: this is the one place it is read
 _LOST_MARKERS = ("connection", "broken pipe", "eof", "socket")
@@ -160,7 +167,7 @@ class Collectives:
         if self.world_size == 1:
             return output.copy_(tensor.view(-1))
         with self._guard(name):
-            dist.reduce_scatter_single(output, tensor, group=self.group)
+            _reduce_scatter_flat(output, tensor, group=self.group)
         return output
 
     def all_gather_into(
@@ -171,25 +178,26 @@ class Collectives:
         if self.world_size == 1:
             return output.copy_(tensor.view(-1))
         with self._guard(name):
-            dist.all_gather_single(output, tensor, group=self.group)
+            _all_gather_flat(output, tensor, group=self.group)
         return output
 
     def reduce_scatter_async(
         self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "reduce_scatter"
     ) -> PendingCollective:
         """Start :meth:`reduce_scatter`; ``wait()`` before reading ``output``."""
-        return self._start_into(dist.reduce_scatter_single, output, tensor, name)
+        return self._start_into(_reduce_scatter_flat, output, tensor, name)
 
     def all_gather_into_async(
         self, output: torch.Tensor, tensor: torch.Tensor, *, name: str = "all_gather_into"
     ) -> PendingCollective:
         """Start :meth:`all_gather_into`; ``wait()`` before reading ``output``."""
-        return self._start_into(dist.all_gather_single, output, tensor, name)
+        return self._start_into(_all_gather_flat, output, tensor, name)
 
     def _start_into(
         self, collective: Callable[..., Any], output: torch.Tensor, tensor: torch.Tensor, name: str
     ) -> PendingCollective:
-        """Start ``collective(output, tensor)`` (a ``*_single`` op) asynchronously; one rank: a copy."""
+        """Start ``collective(output, tensor)`` (a flat reduce-scatter or all-gather) asynchronously;
+        one rank: a copy."""
         seq = next(self._seq)
         if self.world_size == 1:
             output.copy_(tensor.view(-1))

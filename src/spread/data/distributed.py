@@ -7,7 +7,7 @@ those counts, which is what makes an uneven final batch give the same update as 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,20 +69,31 @@ class ReplicaLayout:
 
 
 class _TensorBatches(Dataset):
-    """Index a TensorDataset by a whole batch at once (one gather per tensor, no Python loop)."""
+    """Equal-length tensors (a tuple, or a dict of named columns as Keras' ``fit(x={...})`` takes),
+    indexed by a whole batch at once: one gather per tensor, no Python loop."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = tuple(tensors)
+    def __init__(self, tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> None:
+        self.names = list(tensors) if isinstance(tensors, Mapping) else None
+        self.tensors = tuple(tensors.values()) if isinstance(tensors, Mapping) else tuple(tensors)
+        names = self.names or range(len(self.tensors))
+        lengths = {name: t.shape[0] for name, t in zip(names, self.tensors, strict=True)}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"the data's tensors differ in length (their first dimension): {lengths}")
+
+    def _pack(self, parts: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+        if self.names is None:
+            return tuple(parts)
+        return dict(zip(self.names, parts, strict=True))
 
     def __len__(self) -> int:
         return self.tensors[0].shape[0]
 
     def __getitem__(self, i: int):
-        return tuple(t[i] for t in self.tensors)
+        return self._pack(t[i] for t in self.tensors)
 
     def __getitems__(self, indices: list[int]):
         idx = torch.as_tensor(indices, dtype=torch.long)
-        return tuple(t.index_select(0, idx) for t in self.tensors)
+        return self._pack(t.index_select(0, idx) for t in self.tensors)
 
 
 def _identity(batch: Any) -> Any:
@@ -115,13 +126,23 @@ def _check_loader(loader: DataLoader, global_batch_size: int) -> None:
 
 
 def _as_dataset(data: Any) -> tuple[Any, Callable[[Any], Any] | None, int]:
-    """Accept a Dataset, an IterableDataset, a DataLoader, a tensor tuple or an iterable."""
+    """Accept a Dataset, an IterableDataset, a DataLoader, a tensor, a tuple or dict of tensors, or
+    an iterable."""
     num_workers = 0
     collate: Callable[[Any], Any] | None = None
     if isinstance(data, DataLoader):
         num_workers, collate, data = data.num_workers, data.collate_fn, data.dataset
+    if isinstance(data, Mapping):
+        if not data or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in data.values()):
+            kinds = {k: type(v).__name__ for k, v in data.items()}
+            raise ValueError(
+                f"a dict of data must map names to tensors with a batch dimension "
+                f"(got {kinds or 'nothing'}); for a dict per sample, pass a Dataset whose items are dicts"
+            )
+        data = _TensorBatches(data)  # a column store: batches come out whole, already collated
+        return data, _identity, num_workers
     if isinstance(data, tuple) and data and all(isinstance(t, torch.Tensor) for t in data):
-        data = TensorDataset(*data)
+        data = TensorDataset(*_TensorBatches(data).tensors)  # checks the lengths, clearly
     if isinstance(data, torch.Tensor):
         data = TensorDataset(data)
     if isinstance(data, TensorDataset) and collate in (None, default_collate):

@@ -34,7 +34,7 @@ from spread.strategies.context import (
     get_replica_context,
 )
 from spread.strategies.teardown import ProcessResources
-from spread.values import PerReplica
+from spread.values import PerReplica, on_device
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -262,9 +262,11 @@ class Strategy(abc.ABC):
         of the global batch); the step's batch sizes are forgotten afterwards. Nesting is refused."""
         if get_replica_context() is not None:
             raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
+        device = self._local_devices()[0]
+        args, kwargs = on_device(args, device), on_device(kwargs or {}, device)
         _set_replica_context(ReplicaContext(self, replica, self.num_replicas_in_sync, weight))
         try:
-            return fn(*args, **(kwargs or {}))
+            return fn(*args, **kwargs)
         finally:
             _set_replica_context(None)
             self._step_info = None

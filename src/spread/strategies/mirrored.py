@@ -34,6 +34,7 @@ process per device, which is :class:`MultiWorkerMirroredStrategy` under ``spread
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -52,7 +53,7 @@ from spread.strategies.base import Strategy
 from spread.strategies.batchnorm import BatchNormReplicas, ReplicaExchangeAborted, ThreadReplicaSum
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.strategies.one_device import default_device
-from spread.values import PerReplica, select_replica
+from spread.values import PerReplica, on_device, select_replica
 
 CROSS_DEVICE_OPS = ("auto", "accumulate", "reduce_to_one", "hierarchical_copy")
 
@@ -139,8 +140,15 @@ class MirroredStrategy(Strategy):
             raise ValueError(
                 f"intra_op_threads must be 'auto' or a positive integer, got {intra_op_threads!r}"
             )
+        # On an accelerator autograd runs backward on the device's own thread, where a replica thread's
+        # context is not seen: replicas there run one after another (the device serialises their
+        # kernels anyway), and the gradient hooks read the running replica from ``_running_replica``.
+        self._one_at_a_time = n > 1 and any(d.type != "cpu" for d in self._devices)
+        self._running_replica: ReplicaContext | None = None
         self._pool = (
-            ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="spread-replica") if n > 1 else None
+            ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="spread-replica")
+            if n > 1 and not self._one_at_a_time
+            else None
         )
         self._hooks: list[Any] = []
         self._weighted: list[nn.Parameter] = []  # parameters whose replica gradients get weighted
@@ -172,7 +180,7 @@ class MirroredStrategy(Strategy):
             for p in params:
                 if p.requires_grad:
                     self._weighted.append(p)
-                    self._hooks.append(p.register_hook(_weight_by_replica_share))
+                    self._hooks.append(p.register_hook(functools.partial(_weight_by_replica_share, self)))
             return
         if self._replica_grads is not None:
             self._replica_grads.close()
@@ -195,29 +203,39 @@ class MirroredStrategy(Strategy):
         caller = thread_state.capture()  # autocast, grad mode, ... hold on every replica's thread
 
         def replica(i: int) -> Any:
-            _set_replica_context(ReplicaContext(self, i, n, weights[i]))
+            context = ReplicaContext(self, i, n, weights[i])
+            _set_replica_context(context)
+            if self._one_at_a_time:
+                self._running_replica = context
             try:
+                device = self._devices[i]
+                args_i = on_device(select_replica(args, i), device)
+                kwargs_i = on_device(select_replica(kwargs or {}, i), device)
                 if i == 0:
-                    return fn(*select_replica(args, i), **select_replica(kwargs, i))
+                    return fn(*args_i, **kwargs_i)
                 with thread_state.applied(caller):
-                    return fn(*select_replica(args, i), **select_replica(kwargs, i))
+                    return fn(*args_i, **kwargs_i)
             except BaseException:
                 if thread_sum is not None:  # the others must not wait for this replica's statistics
                     thread_sum.abort()
                 raise
             finally:
                 _set_replica_context(None)
+                self._running_replica = None
 
         # Equal shares on fresh gradients: the sum is weighted once, in place, after the replicas.
         same = all(w == weights[0] for w in weights) and all(p.grad is None for p in self._weighted)
         self._scale_after = weights[0] if same and self._weighted else None
-        futures = [self._pool.submit(replica, i) for i in range(1, n)] if self._pool else []
+        pool = None if self._one_at_a_time else self._pool
+        futures = [pool.submit(replica, i) for i in range(1, n)] if pool else []
         results: list[Any] = [None] * n
         errors: list[tuple[int, BaseException]] = []
-        try:
-            results[0] = replica(0)
-        except BaseException as exc:  # wait for the other replicas before raising
-            errors.append((0, exc))
+        for i in range(n if self._one_at_a_time else 1):
+            try:
+                results[i] = replica(i)
+            except BaseException as exc:  # wait for the other replicas before raising
+                errors.append((i, exc))
+                break
         for i, future in enumerate(futures, start=1):
             try:
                 results[i] = future.result()
@@ -240,6 +258,14 @@ class MirroredStrategy(Strategy):
         if self._replica_grads is not None:
             self._replica_grads.reduce_into_grads(self.cross_device_ops, self._parallel)
         return PerReplica(results) if n > 1 else results[0]
+
+    def _replica_in_backward(self) -> ReplicaContext | None:
+        """The replica whose backward pass is running: this thread's, or on an accelerator (backward on
+        the device's thread) the one replica running."""
+        ctx = get_replica_context()
+        if ctx is not None and ctx.strategy is self:
+            return ctx
+        return self._running_replica
 
     def _parallel(self, tasks) -> None:
         """Run ``tasks`` on the replica threads (the first on this thread) and wait for all."""
@@ -275,10 +301,10 @@ class MirroredStrategy(Strategy):
         super().close()
 
 
-def _weight_by_replica_share(grad: torch.Tensor) -> torch.Tensor | None:
+def _weight_by_replica_share(strategy: MirroredStrategy, grad: torch.Tensor) -> torch.Tensor | None:
     """Scale a replica's gradient by its share of the global batch (only inside strategy.run)."""
-    ctx = get_replica_context()
-    if ctx is None or not isinstance(ctx.strategy, MirroredStrategy) or ctx.strategy._scale_after is not None:
+    ctx = strategy._replica_in_backward()
+    if ctx is None or strategy._scale_after is not None:
         return None
     return grad * ctx.weight
 
@@ -286,7 +312,8 @@ def _weight_by_replica_share(grad: torch.Tensor) -> torch.Tensor | None:
 class _ReplicaGradients:
     """One flat gradient buffer per replica and (device, dtype), filled by accumulator pre-hooks.
 
-    Replica ``i``'s hook (it runs on replica ``i``'s thread) writes ``weight_i * grad`` into its own
+    Replica ``i``'s hook (on replica ``i``'s thread, or on a GPU's backward thread while replica ``i``
+    runs alone) writes ``weight_i * grad`` into its own
     buffer (adding when the parameter already has a gradient there this step) and returns no
     gradient, so ``.grad`` is untouched until :meth:`reduce_into_grads`. Outside ``strategy.run`` the
     hook passes gradients through, so plain backward passes behave as usual.
@@ -325,9 +352,9 @@ class _ReplicaGradients:
         numel, shape = p.numel(), p.shape
 
         def capture(grads: tuple) -> tuple | None:
-            ctx = get_replica_context()
+            ctx = self.strategy._replica_in_backward()
             grad = grads[0]
-            if ctx is None or ctx.strategy is not self.strategy or grad is None:
+            if ctx is None or grad is None:
                 return None
             if grad.layout != torch.strided:
                 raise SpreadError(

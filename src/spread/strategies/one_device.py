@@ -12,6 +12,7 @@ from torch import nn
 from spread.data import ReplicaLayout
 from spread.strategies.base import Strategy, one_replica_tensor
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
+from spread.values import on_device
 
 
 def default_device() -> torch.device:
@@ -50,9 +51,10 @@ class OneDeviceStrategy(Strategy):
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         outer = get_replica_context()
+        args, kwargs = on_device(args, self.device), on_device(kwargs or {}, self.device)
         _set_replica_context(ReplicaContext(self, 0, 1, 1.0))
         try:
-            return fn(*args, **(kwargs or {}))
+            return fn(*args, **kwargs)
         finally:
             _set_replica_context(outer)
 

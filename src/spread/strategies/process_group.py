@@ -11,14 +11,26 @@ import torch.distributed as dist
 
 from spread.cluster import ClusterSpec
 from spread.cluster.rendezvous import Rendezvous, default_backend, rendezvous
+from spread.errors import SpreadError
 
 
 def local_device(cluster: ClusterSpec) -> torch.device:
-    """This process's GPU (``local_rank`` modulo the GPUs, made current), or the CPU without one."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(cluster.local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This process's GPU (the ``local_rank``-th, made current), or the CPU without one.
+
+    More processes on a machine than GPUs is refused here: NCCL would fail later with "Duplicate GPU
+    detected", and a GPU shared by two ranks would halve each one's memory anyway.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if cluster.local_world_size > gpus:
+        raise SpreadError(
+            f"rank {cluster.rank}: {cluster.local_world_size} processes on this machine but {gpus} "
+            f"GPU{'s' if gpus != 1 else ''}; NCCL needs a GPU per process. Start at most {gpus} per "
+            f"machine (spread run -n {gpus}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPUs"
+        )
+    torch.cuda.set_device(cluster.local_rank)
+    return torch.device("cuda", cluster.local_rank)
 
 
 def join_process_group(

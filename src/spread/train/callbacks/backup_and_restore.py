@@ -298,7 +298,7 @@ class BackupAndRestore(Callback):
         """
         trainer = self.trainer
         strategy = trainer.strategy
-        rng = torch.get_rng_state().unsqueeze(0)
+        rng = _torch_rng_states().unsqueeze(0)
         all_rng = strategy.gather_from_every_rank(rng)
         model_state = strategy.model_state_dict(trainer.model)  # collective where state_is_collective
         optimizer_state = strategy.optimizer_state_dict(trainer.optimizer)
@@ -367,14 +367,27 @@ class BackupAndRestore(Callback):
         self.manager.save(trainer.global_step, state)
 
 
+def _torch_rng_states() -> torch.Tensor:
+    """The CPU generator's state, then the current GPU's where there is one: dropout on a GPU draws
+    from the GPU's generator, so resuming exactly needs both."""
+    cpu = torch.get_rng_state()
+    if torch.cuda.is_available():
+        return torch.cat([cpu, torch.cuda.get_rng_state()])
+    return cpu
+
+
 def _set_rng(rng: dict[str, Any], row: int) -> None:
     """Restore torch's (row ``row`` of the saved states), Python's and NumPy's RNG states."""
     torch_states = rng["torch"]
+    cpu_bytes = torch.get_rng_state().numel()
     if row < len(torch_states):
-        torch.set_rng_state(torch_states[row].clone())
+        torch.set_rng_state(torch_states[row][:cpu_bytes].clone())
+        if torch_states.shape[1] > cpu_bytes and torch.cuda.is_available():  # saved on a GPU, resumed on one
+            torch.cuda.set_rng_state(torch_states[row][cpu_bytes:].clone())
     else:  # a rank the backup did not have (resumed at more replicas): its own stream, derived
-        generator = torch.Generator().set_state(torch_states[row % len(torch_states)].clone())
-        torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)) + row)
+        cpu_state = torch_states[row % len(torch_states)][:cpu_bytes].clone()
+        generator = torch.Generator().set_state(cpu_state)
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)) + row)  # seeds GPUs too
     version, internal, gauss = rng["python"]
     random.setstate((version, tuple(internal), gauss))
     np_state = _numpy_state()
