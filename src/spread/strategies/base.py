@@ -14,6 +14,7 @@ overrides it. Nothing above this layer probes a strategy for optional attributes
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -168,24 +169,20 @@ class Strategy(abc.ABC):
         On exit the new parameters are synchronised (the chief's values win) and hooked for gradient
         exchange. Re-entering the scope later adds the parameters created then.
         """
-        created_params: list[nn.Parameter] = []
-        created_buffers: list[torch.Tensor] = []
-        created_modules: list[nn.Module] = []
+        # Weak references: a module built in the scope and then dropped (nn.TransformerEncoder's
+        # template layer, which it deep-copies) is neither kept alive nor managed.
+        created: list[weakref.ref[nn.Module]] = []
 
         def on_param(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            created_modules.append(module)
-            if param is not None:
-                created_params.append(param)
+            created.append(weakref.ref(module))
 
         def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
-            created_modules.append(module)
-            if buffer is not None:
-                created_buffers.append(buffer)
+            created.append(weakref.ref(module))
 
         def on_module(module: nn.Module, name: str, child: nn.Module | None) -> None:
-            created_modules.append(module)  # containers too: how the new modules nest
+            created.append(weakref.ref(module))  # containers too: how the new modules nest
             if child is not None:
-                created_modules.append(child)
+                created.append(weakref.ref(child))
 
         with ExitStack() as stack:
             stack.enter_context(
@@ -198,12 +195,12 @@ class Strategy(abc.ABC):
             _push_scope(self)
             stack.callback(_pop_scope, self)
             yield self
-        # Also what the new modules hold without having registered it in the scope: layers copied
-        # with copy.deepcopy (nn.TransformerEncoder clones its layer) register nothing.
-        modules = _unique([sub for module in created_modules for sub in module.modules()])
-        for module in modules:
-            created_params.extend(module.parameters(recurse=False))
-            created_buffers.extend(module.buffers(recurse=False))
+        # What the live new modules hold, including what registered nothing in the scope: layers
+        # copied with copy.deepcopy (nn.TransformerEncoder clones its layer).
+        alive = [module for module in (ref() for ref in created) if module is not None]
+        modules = _unique([sub for module in alive for sub in module.modules()])
+        created_params = [p for module in modules for p in module.parameters(recurse=False)]
+        created_buffers = [b for module in modules for b in module.buffers(recurse=False)]
         self._adopt(created_params, created_buffers)
         self._on_new_modules(modules)
 
