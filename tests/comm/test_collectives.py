@@ -38,6 +38,29 @@ def test_all_reduce_gather_broadcast():
         assert result["bcast"] == 1.0
 
 
+def _broadcast_in_runs() -> list[list[float]]:
+    strategy = spread.MultiWorkerMirroredStrategy()
+    try:
+        c = strategy.collectives
+        g = torch.Generator().manual_seed(c.rank)  # each rank its own values; rank 1's must win
+        tensors = [
+            torch.randn(3, generator=g),
+            torch.randn(40, generator=g),  # 160 bytes: over the cap, broadcast in place alone
+            torch.randn(4, 4, generator=g).t(),  # not contiguous: through a flat copy
+            torch.randn(2, generator=g).double(),  # another dtype, another group
+            torch.randn(5, generator=g),
+        ]
+        c.broadcast_tensors(tensors, src=1, max_bytes=64)
+        return [t.reshape(-1).tolist() for t in tensors]
+    finally:
+        strategy.close()
+
+
+def test_broadcast_tensors_in_capped_runs_gives_every_rank_the_sources_values():
+    rank0, rank1 = run_ranks(_broadcast_in_runs, 2, timeout=60)
+    assert rank0 == rank1
+
+
 def _one_rank_misbehaves(mode: str) -> float:
     strategy = spread.MultiWorkerMirroredStrategy()
     c = strategy.collectives

@@ -99,13 +99,14 @@ def _bucket_placement(compression: str | None) -> dict:
     strategy = spread.MultiWorkerMirroredStrategy("shm", bucket_cap_mb=0.0001, compression=compression)
     try:
         with strategy.scope():
-            TwoHeads()
+            model = TwoHeads()  # kept: the scope manages only the modules still alive at its exit
         reducer, algorithm = strategy._reducer, strategy.algorithm
         exchanged = [b.wire if b.wire is not None else b.buffer for b in reducer.buckets]
         return {
             "buckets": len(exchanged),
             "in_shared_memory": [algorithm._registered(buf) is not None for buf in exchanged],
             "wire_dtypes": sorted({str(buf.dtype) for buf in exchanged}),
+            "parameters": sum(p.numel() for p in model.parameters()),
         }
     finally:
         strategy.close()

@@ -302,3 +302,39 @@ def test_central_storage_costs_what_mirrored_costs():
     assert central.step_seconds == pytest.approx(mirrored.step_seconds)
     # two replicas of 50 samples on 1 thread each, then one update with both cores
     assert central.step_seconds == pytest.approx(50 * 1e-3 + 0.01)
+
+
+def test_sharded_by_hand():
+    # 2 processes, 4 units of 2.5 MB on a 100 MB/s link: a reduce-scatter or all-gather of one unit
+    # moves half of it, 12.5 ms. "parameters": 4 reductions + 2 x 4 gathers = 150 ms of traffic.
+    options = Options(global_batch=100)
+    p = predict(Candidate("sharded", 2, (("shard", "parameters"),)), _profile(), _cluster(), options)
+    assert p.parts["communication"] == pytest.approx(12 * 0.0125)
+    assert p.parts["optimizer"] == pytest.approx(0.01 / 2)  # each rank updates half the state
+    # Shards of parameters, gradients and Adam state; buffers: the unit computing, the next one
+    # prefetched, one unit's packed gradients.
+    assert (p.memory.parameters, p.memory.gradients, p.memory.optimizer) == (5 * MB, 5 * MB, 10 * MB)
+    assert p.memory.buffers == pytest.approx(3 * 2.5 * MB)
+    gradients = predict(Candidate("sharded", 2, (("shard", "gradients"),)), _profile(), _cluster(), options)
+    assert (gradients.memory.parameters, gradients.memory.gradients) == (10 * MB, 5 * MB)
+    assert gradients.parts["communication"] == pytest.approx(8 * 0.0125)  # one gather after the step
+    optimizer = predict(Candidate("sharded", 2, (("shard", "optimizer"),)), _profile(), _cluster(), options)
+    assert (optimizer.memory.gradients, optimizer.memory.buffers) == (10 * MB, 10 * MB)
+
+
+def test_sharding_is_recommended_when_only_it_fits():
+    # 8 units of 1.25 MB. Data parallelism needs 50.2 MB per process (parameters, gradients, flat
+    # buffer, Adam, activations), sharded gradients 26.45 MB, sharded parameters 23.95 MB: with 25 MB
+    # only the last fits, and the reason says what would be faster.
+    layers = tuple(
+        replace(layer, name=f"{i}", time_share=0.125, param_bytes=1.25 * MB)
+        for i, layer in enumerate(_profile().layers * 2)
+    )
+    profile = _profile(layers=layers)
+    strategies = ("multi_worker_mirrored", "sharded")
+    roomy = make_plan(profile, _cluster(), Options(global_batch=100), strategies)
+    assert roomy.recommended.candidate.strategy == "multi_worker_mirrored"
+    plan = make_plan(profile, _cluster(memory_per_device=25 * MB), Options(global_batch=100), strategies)
+    assert plan.recommended.candidate.label == "sharded[parameters]"
+    assert plan.recommended.memory.total == pytest.approx(23.95 * MB)
+    assert "does not fit in memory" in plan.reason

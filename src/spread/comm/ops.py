@@ -25,6 +25,8 @@ if hasattr(dist, "reduce_scatter_single"):
 else:  # pragma: no cover - older torch (the GPU machines' 2.11)
     _reduce_scatter_flat, _all_gather_flat = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
 
+BROADCAST_RUN_BYTES = 64 * 2**20  # Collectives.broadcast_tensors: the most one flat copy holds
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # gloo and NCCL report failures as text only: this is the one place it is read
 _LOST_MARKERS = ("connection", "broken pipe", "eof", "socket")
@@ -120,10 +122,16 @@ class Collectives:
         return tensor
 
     def broadcast_tensors(
-        self, tensors: Sequence[torch.Tensor], src: int = 0, *, name: str = "broadcast"
+        self,
+        tensors: Sequence[torch.Tensor],
+        src: int = 0,
+        *,
+        name: str = "broadcast",
+        max_bytes: int = BROADCAST_RUN_BYTES,
     ) -> None:
-        """Make every rank's ``tensors`` equal to rank ``src``'s in place: one flat broadcast per
-        (device, dtype) group instead of one per tensor."""
+        """Make every rank's ``tensors`` equal to rank ``src``'s in place: one flat broadcast per run
+        of (device, dtype)-alike tensors up to ``max_bytes``, a larger tensor in place on its own. The
+        cap bounds the copy: one flat buffer of a whole model doubled its memory at the scope's end."""
         if self.world_size == 1:
             return
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -131,12 +139,16 @@ class Collectives:
             groups.setdefault((t.device, t.dtype), []).append(t)
         with torch.no_grad():
             for group in groups.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                self.broadcast(flat, src=src, name=name)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                for run in _runs_of_at_most(group, max_bytes):
+                    if len(run) == 1 and run[0].is_contiguous():
+                        self.broadcast(run[0].detach(), src=src, name=name)
+                        continue
+                    flat = torch.cat([t.detach().reshape(-1) for t in run])
+                    self.broadcast(flat, src=src, name=name)
+                    offset = 0
+                    for t in run:
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
 
     def all_gather(self, tensor: torch.Tensor, *, name: str = "all_gather") -> list[torch.Tensor]:
         """Gather equally shaped tensors from every rank, in rank order."""
@@ -240,3 +252,17 @@ class PendingCollective:
             raise classify_error(self._rank, self._name, self._seq, exc) from exc
         finally:
             self._work = None
+
+
+def _runs_of_at_most(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, in consecutive runs of at most ``max_bytes`` (a larger one alone)."""
+    runs: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not runs or size + nbytes > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(t)
+        size += nbytes
+    return runs

@@ -66,6 +66,14 @@ def allreduce_time(algorithm: str, nbytes: float, n: int, link: Link) -> float:
     return g * link.alpha + f * nbytes / link.beta
 
 
+def shard_collective_time(nbytes: float, n: int, link: Link) -> float:
+    """One reduce-scatter or all-gather of a ``nbytes`` buffer (the whole, before splitting) over
+    ``n`` ranks: a ring's half of an all-reduce, ``n - 1`` messages of ``1/n`` of the bytes."""
+    if nbytes <= 0 or n <= 1:
+        return 0.0
+    return (n - 1) * link.alpha + (n - 1) / n * nbytes / link.beta
+
+
 def hierarchical_allreduce_time(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
     """Reduce inside each node through shared memory, ring over one leader per node, share back.
 
@@ -265,6 +273,41 @@ def data_parallel_memory(
         optimizer=optimizer_bytes,
         activations=activation_bytes_per_sample * batch_per_replica,
         buffers=param_bytes if flat_gradient_buffer else 0.0,
+    )
+
+
+def sharded_memory(
+    param_bytes: float,
+    optimizer_bytes: float,
+    activation_bytes_per_sample: float,
+    batch_per_replica: int,
+    *,
+    n: int,
+    shard: str,
+    largest_unit_bytes: float,
+) -> MemoryBreakdown:
+    """Memory of one ShardedStrategy rank: the optimizer state is always split ``n`` ways; at
+    ``"gradients"`` the gradients too, at ``"parameters"`` the parameters too. ``parameters``,
+    ``gradients`` and ``optimizer`` are what :meth:`~spread.Strategy.memory_report` measures after a
+    step; ``buffers`` the transient: the kept all-reduce buffer (``"optimizer"``), one unit's packed
+    gradients in flight, and at ``"parameters"`` the gathered units (the one computing, the next
+    prefetched)."""
+    if shard not in ("optimizer", "gradients", "parameters"):
+        raise ValueError(f"shard must be 'optimizer', 'gradients' or 'parameters', got {shard!r}")
+    params = param_bytes / n if shard == "parameters" else param_bytes
+    grads = param_bytes if shard == "optimizer" else param_bytes / n
+    if shard == "optimizer":
+        buffers = param_bytes
+    elif shard == "gradients":
+        buffers = largest_unit_bytes
+    else:
+        buffers = 3 * largest_unit_bytes
+    return MemoryBreakdown(
+        parameters=params,
+        gradients=grads,
+        optimizer=optimizer_bytes / n,
+        activations=activation_bytes_per_sample * batch_per_replica,
+        buffers=buffers,
     )
 
 

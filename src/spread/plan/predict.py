@@ -29,6 +29,8 @@ from spread.plan.costs import (
     pipeline_memory,
     pipeline_step_time,
     server_seconds_per_step,
+    shard_collective_time,
+    sharded_memory,
 )
 from spread.plan.workload import ModelProfile
 
@@ -39,6 +41,7 @@ STRATEGY_NAMES = (
     "multi_worker_mirrored",
     "parameter_server",
     "pipeline",
+    "sharded",
 )
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -259,6 +262,58 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     return step, o.global_batch / step, memory, note, parts
 
 
+def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
+    """ShardedStrategy with one unit per top-level layer (units of the whole model would gather it
+    all at once, which is not what sharding parameters is for). Gradients are reduced per unit as
+    backward produces them (all-reduce at ``"optimizer"``, reduce-scatter above), overlapping it as
+    MultiWorkerMirrored's buckets do; each rank updates ``1/n`` of the state, then the parameters are
+    all-gathered: once after the step at ``"optimizer"``/``"gradients"``, per unit before forward and
+    again before backward at ``"parameters"``, the next unit's prefetched during the current one's
+    compute (hidden up to the measured overlap)."""
+    n, shard = c.devices, c.get("shard", "parameters")
+    local = o.global_batch / n
+    per_node = min(n, cl.devices_per_node)
+    compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node)
+    backward = compute / o.accumulation_steps * p.backward_fraction
+    units = [layer.param_bytes for layer in p.layers if layer.param_bytes > 0] or [p.param_bytes]
+    link = cl.link("native")
+    if shard == "optimizer":
+        reductions = [allreduce_time("native", u, n, link) for u in units]
+    else:
+        reductions = [shard_collective_time(u, n, link) for u in units]
+    ready = bucket_ready_fractions(units, p.gradient_arrival)
+    exposed_reduce = exposed_communication(backward, reductions, cl.overlap, ready)
+    gather_once = sum(shard_collective_time(u, n, link) for u in units)
+    if shard == "parameters":
+        gathers = 2 * gather_once * o.accumulation_steps
+        first = shard_collective_time(units[0], n, link)
+        exposed_gather = max(first, gathers - cl.overlap * compute)
+    else:
+        gathers = exposed_gather = gather_once
+    opt = _optimizer(p, cl, per_node, per_node) / n
+    step = compute + exposed_reduce + exposed_gather + opt
+    memory = sharded_memory(
+        p.param_bytes,
+        p.optimizer_bytes,
+        _activations_per_sample(p, o),
+        math.ceil(local / o.accumulation_steps),
+        n=n,
+        shard=shard,
+        largest_unit_bytes=max(units),
+    )
+    note = (
+        f"{sum(reductions) * 1e3:.1f} ms of gradient reduction and {gathers * 1e3:.1f} ms of parameter "
+        f"all-gather per step, {(exposed_reduce + exposed_gather) * 1e3:.1f} ms not hidden"
+    )
+    parts = {
+        "compute": compute,
+        "communication": sum(reductions) + gathers,
+        "exposed": exposed_reduce + exposed_gather,
+        "optimizer": opt,
+    }
+    return step, o.global_batch / step, memory, note, parts
+
+
 def _server_apply_rate(p: ModelProfile, cl: ClusterModel, processes_per_node: int, busy: float) -> float:
     """Bytes/s a parameter server updates at: this model's optimizer as the profile timed it.
 
@@ -407,6 +462,7 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
 
 _PREDICTORS = {
     "one_device": _one_device,
+    "sharded": _sharded,
     "mirrored": _data_parallel,
     "central_storage": _data_parallel,
     "multi_worker_mirrored": _data_parallel,
@@ -444,6 +500,8 @@ def candidates(
         for servers in sorted({1, max(1, d // 4), max(1, d // 2)}):
             if d - servers >= 1:
                 out.append(Candidate("parameter_server", d, (("servers", servers),)))
+    if "sharded" in strategies:
+        out.extend(Candidate("sharded", d, (("shard", s),)) for s in ("optimizer", "gradients", "parameters"))
     if "pipeline" in strategies and len(profile.layers) >= 2:
         for stages in (2, 4, 8, 16):
             if stages > len(profile.layers) or d % stages:
