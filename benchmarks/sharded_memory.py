@@ -5,9 +5,7 @@ timings, so a shared machine does not disturb them).
     python benchmarks/sharded_memory.py 2      # processes (2 and 4 in docs/architecture.md)
 
 Each configuration trains one step on the same global batch from the same weights; the printed
-``max |w - mirrored|`` checks that the sharded weights equal MultiWorkerMirrored's after it. Note:
-W2's ``Decoder`` builds its ``nn.TransformerEncoderLayer`` template inside the scope and deep-copies
-it, so the template's parameters (about 0.8 M, unused by the model) are managed and counted too.
+``max |w - mirrored|`` checks that the sharded weights equal MultiWorkerMirrored's after it.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ def _one_step(strategy: spread.Strategy) -> tuple[list[int], dict]:
     with strategy.scope():
         model, loss_fn, make_optimizer, batch, global_batch = make("W2")
         optimizer = make_optimizer(model.parameters())
-    strategy.prepare_model(model)  # the deep-copied layers' parameters (see the module doc)
     strategy.prepare_optimizer(optimizer)
     x, y = batch(global_batch // strategy.num_replicas_in_sync)
     strategy.run(lambda: loss_fn(model(x), y).backward())

@@ -70,7 +70,6 @@ def _spread_config(workload: str, strategy: spread.ShardedStrategy) -> tuple[_Co
     with strategy.scope():
         model, loss_fn, make_optimizer, _, _ = workloads.make(workload)
         optimizer = make_optimizer(model.parameters())
-    strategy.prepare_model(model)  # W2's deep-copied layers (benchmarks/sharded_memory.py says why)
     strategy.prepare_optimizer(optimizer)
 
     def step(x, y):

@@ -294,8 +294,11 @@ def sharded_memory(
     prefetched)."""
     if shard not in ("optimizer", "gradients", "parameters"):
         raise ValueError(f"shard must be 'optimizer', 'gradients' or 'parameters', got {shard!r}")
-    params = param_bytes / n if shard == "parameters" else param_bytes
-    grads = param_bytes if shard == "optimizer" else param_bytes / n
+    # Below "parameters" the model keeps its full parameters and the optimizer steps this rank's
+    # shard copy of them; gradients end as shards at every stage ("optimizer" keeps the all-reduce
+    # buffer they are cut from).
+    params = param_bytes / n if shard == "parameters" else param_bytes + param_bytes / n
+    grads = param_bytes / n
     if shard == "optimizer":
         buffers = param_bytes
     elif shard == "gradients":
