@@ -65,6 +65,11 @@ class TrainingProgram(Protocol):
         """``[loss*n, n, metric sums...]`` of ``n`` samples."""
         ...
 
+    def stop_vote(self) -> float:
+        """1.0 when this process asks every rank to stop after this step, else 0.0: summed with the
+        step's statistics, so the ranks agree on it without a collective of their own."""
+        ...
+
     def prediction(self, output: Any) -> torch.Tensor:
         """The tensor ``loss_fn`` and the metrics take from a model output (a ``ModelOutput``'s
         ``logits``; a tensor as it is)."""
@@ -355,10 +360,17 @@ class Strategy(abc.ABC):
         return nullcontext()
 
     def run_training_step(self, program: TrainingProgram, batch: Any) -> torch.Tensor:
-        """Forward and backward of one global batch; ``[loss*n, n, metric sums...]`` summed over it,
-        the same on every rank. The caller steps the optimizer. Strategies that own forward and
-        backward (pipelines) override it."""
-        return self.reduce("sum", self.run(program.replica_train_step, args=(batch,)))
+        """Forward and backward of one global batch; ``[loss*n, n, metric sums..., stop votes]``
+        summed over it (the votes: :meth:`TrainingProgram.stop_vote` of every replica's process,
+        taken after backward), the same on every rank. The caller steps the optimizer. Strategies
+        that own forward and backward (pipelines) override it."""
+        stats = self.run(program.replica_train_step, args=(batch,))
+        vote = program.stop_vote()
+        if isinstance(stats, PerReplica):
+            stats = PerReplica([_with_vote(s, vote) for s in stats.values])
+        else:
+            stats = _with_vote(stats, vote)
+        return self.reduce("sum", stats)
 
     # -- gradients between backward and the optimizer step (Trainer's clipping, loss scaling) ------
     def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
@@ -549,6 +561,10 @@ def _hook(register: Callable[[Callable], Any], fn: Callable) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _with_vote(stats: torch.Tensor, vote: float) -> torch.Tensor:
+    return torch.cat([stats, stats.new_tensor([vote])])
 
 
 def _unique(tensors: list) -> list:

@@ -503,8 +503,9 @@ class PipelineStrategy(Strategy):
         return (sums[0] / sums[1].clamp_min(1)).to(torch.float32)
 
     def run_training_step(self, program: TrainingProgram, batch: Any) -> torch.Tensor:
-        """One pipelined step; returns ``[loss*n, n, metric sums...]`` summed over the global batch,
-        the same on every rank. The caller (the Trainer) steps the optimizer afterwards."""
+        """One pipelined step; returns ``[loss*n, n, metric sums..., stop votes]`` summed over the
+        global batch (votes: every rank's ``program.stop_vote()``), the same on every rank. The
+        caller (the Trainer) steps the optimizer afterwards."""
         if program.accumulation_steps != 1:
             raise ValueError(
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
@@ -522,13 +523,14 @@ class PipelineStrategy(Strategy):
 
         x, y = inputs_and_targets(batch, who="PipelineStrategy")
         width = 2 + len(program.metrics)
-        stats = torch.zeros(width, dtype=torch.float64, device=self.world.device)
+        stats = torch.zeros(width + 1, dtype=torch.float64, device=self.world.device)
 
         def on_loss(i: int, out: Any, target: Any, loss: torch.Tensor) -> None:
             pred = program.prediction(out)
-            stats.add_(program.batch_stats(pred, target, loss, int(target.shape[0])).to(stats.device))
+            stats[:width].add_(program.batch_stats(pred, target, loss, int(target.shape[0])).to(stats.device))
 
         self._step(program.model, x, y, loss_fn, on_loss, program.forward_context)
+        stats[width] = program.stop_vote()  # every rank votes; only last stages add statistics
         with self._guard("the metrics all-reduce"):
             self.world.all_reduce(stats, name="pipeline_metrics")  # only last stages contribute
         return stats

@@ -50,6 +50,7 @@ as zeros of its shape (one element of memory; writing into it raises): use
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
@@ -71,6 +72,7 @@ from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
+REDUCTIONS_IN_FLIGHT = 2  # gradient reductions a rank keeps open during backward
 Units = str | tuple[type[nn.Module], ...]  # "model", "modules", or module classes
 
 
@@ -280,6 +282,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._sync = True
         self._queued = False
         self._next_reduce = 0  # index into the reverse block order of the next block to reduce
+        # Blocks whose reduction is in flight, oldest first: each holds a packed full-size copy of
+        # its gradients until finished, so at most REDUCTIONS_IN_FLIGHT stay open (all of them
+        # open until the end of backward held the whole model's gradients once more).
+        self._reducing: deque[_Block] = deque()
         # "parameters": blocks in the order the first training forward used them, then which block
         # to prefetch after each one in forward and in backward (None until recorded).
         self._forward_order: list[_Block] = []
@@ -383,6 +389,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         at ``"parameters"`` its full parameters are not needed any more."""
         if self._sync and block.trainable:
             block.start_reduce(self._grad_scale)
+            self._reducing.append(block)
+            while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
+                self._reducing.popleft().finish_reduce()
         if self.shard == "parameters" and block.resident and block.trainable:
             block.release()  # a frozen block's backward may still come: released at the end
 
@@ -394,6 +403,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             for block in self._blocks[::-1]:
                 block.finish_reduce()
         finally:
+            self._reducing.clear()
             self._next_reduce = 0
             for block in self._blocks:
                 block.ready.clear()

@@ -131,6 +131,7 @@ class Trainer:
         if lr_scheduler is None and (scheduler_interval != "epoch" or scheduler_monitor is not None):
             raise ValueError("scheduler_interval and scheduler_monitor need an lr_scheduler")
         self.stop_training = False
+        self.stop_voted = False  # whether some rank's callback asked to stop after the last step
         self.params: dict[str, Any] = {}
         self.epoch = 0
         self.global_step = 0
@@ -214,6 +215,10 @@ class Trainer:
         if stats is None:
             raise RuntimeError("micro_batches yielded no micro-batch")
         return stats
+
+    def stop_vote(self) -> float:
+        """This process's vote to stop every rank after this step: a callback's ``asks_to_stop``."""
+        return 1.0 if any(cb.asks_to_stop() for cb in self.active_callbacks) else 0.0
 
     def _eval_replica_step(self, batch: Any) -> torch.Tensor:
         b = as_batch(batch, who="Trainer")
@@ -422,7 +427,8 @@ class Trainer:
         ``[loss*n, n, metrics...]`` (zeros for a dropped step) and the step's own logs (``grad_norm``
         when clipping; ``stepped``: False when on_nonfinite dropped the step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        packed = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics...], every rank
+        voted = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics..., votes]
+        packed, self.stop_voted = voted[:-1], bool(voted[-1].item() > 0)
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
             return self._drop_step(packed, f"non-finite loss ({loss_sum})")

@@ -260,9 +260,9 @@ class BackupAndRestore(Callback):
     # -- back up ---------------------------------------------------------------------------------
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
         saved = isinstance(self.save_freq, int) and self.trainer.global_step % self.save_freq == 0
-        if saved:
-            self._save()
-        if self.preemption.installed and self._preempted_anywhere():
+        # A SIGTERM during the save is agreed on by the save's own closing exchange.
+        stop_after_save = self._save() if saved else False
+        if self.preemption.installed and (self.trainer.stop_voted or stop_after_save):
             if not saved:
                 self._save()
             self.preemption.acknowledge()
@@ -271,10 +271,10 @@ class BackupAndRestore(Callback):
                 print(f"spread: {preempted}", file=sys.stderr, flush=True)
             raise preempted
 
-    def _preempted_anywhere(self) -> bool:
-        """Whether any rank got SIGTERM (collective: every rank stops at the same step)."""
-        flag = torch.tensor([1.0 if self.preemption.requested else 0.0])
-        return bool(self.trainer.strategy.gather_from_every_rank(flag).any())
+    def asks_to_stop(self) -> bool:
+        """A SIGTERM reached this rank: every rank backs up after this step and exits (the Trainer
+        carries the vote with the step's statistics)."""
+        return self.preemption.installed and self.preemption.requested
 
     def on_fit_exit(self) -> None:
         self.preemption.stop()
@@ -288,8 +288,9 @@ class BackupAndRestore(Callback):
             self.trainer.strategy.wait_before_deleting_backups()
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
-    def _save(self) -> None:
-        """Gather the RNG states, let the chief write, and return on every rank once it is durable.
+    def _save(self) -> bool:
+        """Gather the RNG states, let the chief write, and return on every rank once it is durable:
+        whether some rank asks to stop (a SIGTERM, also one that came during the save).
 
         The closing collective makes a backup a synchronisation point: no rank runs past step N until
         the backup of step N is committed, so a rank that dies just after a save never takes the
@@ -311,8 +312,11 @@ class BackupAndRestore(Callback):
                 failure = exc
         elif strategy.rank in strategy.ranks_with_own_backup():  # its own part, beside the chief's
             self._task_manager(strategy.rank).save(trainer.global_step, self._common_state(rng))
+        stop = self.asks_to_stop()
         if strategy.num_replicas_in_sync > 1 or strategy.state_is_collective:
-            written = strategy.gather_from_every_rank(torch.tensor([0.0 if failure else 1.0]))
+            flags = torch.tensor([[0.0 if failure else 1.0, 1.0 if stop else 0.0]])
+            gathered = strategy.gather_from_every_rank(flags)
+            written, stop = gathered[:, 0], bool((gathered[:, 1] > 0).any())
             if failure is None and bool((written < 1).any()):
                 raise SpreadError(
                     f"the chief failed to write the backup of step {trainer.global_step} to "
@@ -320,6 +324,7 @@ class BackupAndRestore(Callback):
                 )
         if failure is not None:
             raise failure
+        return stop
 
     def _common_state(self, all_rng: torch.Tensor) -> dict[str, Any]:
         """Position, running sums, History and RNG states (torch's as given): what every backup holds."""

@@ -56,6 +56,12 @@ class Callback:
         """``fit`` is leaving, normally (after ``on_train_end``) or by an exception: release what
         ``on_train_begin`` took (a signal handler, a file)."""
 
+    def asks_to_stop(self) -> bool:
+        """Whether this process asks every rank to stop after the current training step (a SIGTERM
+        it received). Read once per step; the votes travel with the step's statistics, so the
+        ranks agree without a collective of their own (``trainer.stop_voted`` after the step)."""
+        return False
+
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
     def on_train_batch_begin(self, step: int, logs: Logs | None = None) -> None: ...
