@@ -40,6 +40,9 @@ def test_user_strings_are_printed_verbatim(text):
     assert "🏭" not in out and "😄" not in out
 
 
+# matplotlib builds its font cache at its first import after an install, running fc-list: a process
+# (in the fast tier on a fresh virtualenv that failed the tier's no-process guard).
+@pytest.mark.processes
 def test_plot_title_takes_a_model_name_with_dollars(tmp_path):
     pytest.importorskip("matplotlib")
     profile = toy_profile(name=r"a $\frac{$ b")  # as mathtext this is a syntax error that aborts the plot
