@@ -68,6 +68,11 @@ class NonFiniteLossError(SpreadError, FloatingPointError):
     """The loss became NaN or infinite and the policy is to stop."""
 
 
+class TrainingOutOfMemoryError(SpreadError, MemoryError):
+    """A training step ran out of memory; the message says what the process holds and what would
+    hold less."""
+
+
 class CheckpointMismatchError(SpreadError, ValueError):
     """A valid checkpoint does not fit what it is loaded into (model, optimizer, strategy, shards).
 
