@@ -7,6 +7,9 @@ it keeps per process, and which choices divide it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from spread.errors import TrainingOutOfMemoryError
@@ -47,3 +50,15 @@ def out_of_memory_error(
         f"state over the processes; Trainer(accumulation_steps=k) or activation checkpointing "
         f"(spread.memory.checkpoint_blocks) shrink activations; a pipeline splits the layers"
     )
+
+
+@contextmanager
+def explained_out_of_memory(strategy: Strategy, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around a part of a training step: the allocator's failure re-raised as
+    :class:`TrainingOutOfMemoryError` (the original kept as its cause); other errors as they are."""
+    try:
+        yield
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise out_of_memory_error(exc, strategy, optimizer) from exc
+        raise

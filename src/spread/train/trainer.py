@@ -33,7 +33,7 @@ from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
 from spread.train.coordinated import check_coordinated, fit_coordinated
 from spread.train.lr_schedule import LRSchedule, SchedulerArg
 from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
-from spread.train.out_of_memory import is_out_of_memory, out_of_memory_error
+from spread.train.out_of_memory import explained_out_of_memory
 from spread.train.outputs import loss_of, prediction_of
 from spread.train.precision import Precision, check_precision
 
@@ -428,12 +428,8 @@ class Trainer:
         ``[loss*n, n, metrics...]`` (zeros for a dropped step) and the step's own logs (``grad_norm``
         when clipping; ``stepped``: False when on_nonfinite dropped the step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        try:
+        with explained_out_of_memory(self.strategy, self.optimizer):
             voted = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics..., votes]
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise out_of_memory_error(exc, self.strategy, self.optimizer) from exc
-            raise
         packed, self.stop_voted = voted[:-1], bool(voted[-1].item() > 0)
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
@@ -453,12 +449,8 @@ class Trainer:
             step_logs["grad_norm"] = norm
             if math.isfinite(norm):
                 self.grad_norm_sums += torch.tensor([norm, 1.0], dtype=torch.float64)
-        try:
+        with explained_out_of_memory(self.strategy, self.optimizer):  # the first step allocates its state
             stepped = self.precision.step(self.optimizer)
-        except Exception as exc:  # the optimizer's first step allocates its state
-            if is_out_of_memory(exc):
-                raise out_of_memory_error(exc, self.strategy, self.optimizer) from exc
-            raise
         if not stepped:
             self.scaler_skipped_steps += 1
         self.global_step += 1
