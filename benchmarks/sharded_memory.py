@@ -82,7 +82,8 @@ def main() -> None:
         print(f"{name:26} {sizes}  {row[3] / mirrored:.2f}{extra}")
     predicted = _predicted_activations(nprocs)
     measured = results[0]["mirrored"][4]
-    print(f"spread plan predicts {predicted:,.0f} activation bytes per device ({predicted / measured:.4f}x measured)")
+    ratio = predicted / measured
+    print(f"spread plan predicts {predicted:,.0f} activation bytes per device ({ratio:.4f}x measured)")
 
 
 if __name__ == "__main__":

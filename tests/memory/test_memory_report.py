@@ -98,11 +98,27 @@ def test_measure_activations_is_refused_inside_run_and_when_nested():
         with strategy.measure_activations():
             pass
 
-    with pytest.raises(SpreadError, match="around strategy.run"):
+    with pytest.raises(SpreadError, match=r"around strategy\.run"):
         strategy.run(inside)
-    with strategy.measure_activations():
-        with pytest.raises(SpreadError, match="already active"):
-            with strategy.measure_activations():
-                pass
+    outer = strategy.measure_activations()
+    with outer, pytest.raises(SpreadError, match="already active"), strategy.measure_activations():
+        pass
     with strategy.measure_activations():  # usable again after both refusals
         pass
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_a_measured_fit_reports_one_micro_batch_of_activations(accumulation_steps):
+    strategy = spread.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        model = _chain()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
+    trainer = spread.Trainer(
+        model, optimizer, nn.functional.mse_loss, strategy=strategy, accumulation_steps=accumulation_steps
+    )
+    with strategy.measure_activations():
+        trainer.fit(data, epochs=1, global_batch_size=8)
+    # per sample: the input, ReLU's output, the output and the target (both saved by mse_loss)
+    micro_batch = 8 // accumulation_steps
+    assert strategy.memory_report(optimizer).activation_bytes == micro_batch * (8 + 16 + 4 + 4) * 4

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import spread
-
 from spread.plan.advisor import PlanError, make_plan
 from spread.plan.cluster import DEFAULT_INTRA, ClusterModel
 from spread.plan.costs import Link, sharded_memory

@@ -164,10 +164,10 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[start, end)`` of its storage that ``tensor`` reaches (an expanded tensor
     reaches one copy of what it repeats)."""
     size = tensor.element_size()
-    start = tensor.storage_offset() * size
+    start = int(tensor.storage_offset()) * size
     if tensor.numel() == 0:
         return start, start
-    span = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+    span = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(tensor.shape, tensor.stride(), strict=True))
     return start, start + span * size
 
 
