@@ -110,6 +110,27 @@ def test_gpt2_on_dict_batches_under_sync_parameter_servers_equals_one_device():
         _assert_same_weights(one, results[worker].value, f"parameter-server worker {worker}")
 
 
+def _async_ps_worker() -> list[float]:
+    strategy = spread.ParameterServerStrategy()  # async: no equality to claim, each task steps alone
+    try:
+        with strategy.scope():
+            model = _gpt2()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = spread.Trainer(model, optimizer, None, strategy=strategy)
+        return trainer.fit(TokenBatches(32), epochs=3, global_batch_size=8, verbose=0).history["loss"]
+    finally:
+        strategy.close()
+
+
+@pytest.mark.processes
+def test_gpt2_on_dict_batches_trains_under_async_parameter_servers():
+    results = run_ps_job(_async_ps_worker, 2, 1, timeout=240)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results if not r.ok)
+    for worker in (0, 1):
+        losses = results[worker].value
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
 def test_a_dict_of_tensors_trains_like_a_dataset_of_dict_samples():
     """``fit({"input_ids": ids, ...})``, Keras' named inputs: the same batches as the sample dicts."""
     data = TokenBatches(10)
