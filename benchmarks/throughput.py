@@ -9,6 +9,8 @@ rounds, every configuration:
   idle, at a barrier;
 * PyTorch DDP and ``MultiWorkerMirroredStrategy`` with every ``communication`` (``auto`` first: the
   default), 2 x 1 thread, both ranks;
+* ``ShardedStrategy(shard="parameters")`` and PyTorch FSDP2 (``fully_shard``), each with one unit per
+  block (W1: every ``nn.Linear``; W2: every decoder layer), 2 x 1 thread, both ranks;
 * (W1) TensorFlow's ``MultiWorkerMirroredStrategy``, 2 processes x 1 thread, through
   ``tf_baselines.py`` started by rank 0 while both torch ranks wait, when ``tensorflow`` is
   importable; otherwise (and with ``--quick``) a row that says why it was skipped.
@@ -44,6 +46,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads
+
+# The blocks each sharded configuration gathers one at a time (FSDP2's units, spread's ``units=``).
+SHARD_UNITS: dict[str, tuple[type[torch.nn.Module], ...]] = {
+    "W1": (torch.nn.Linear,),
+    "W2": (torch.nn.TransformerEncoderLayer,),
+}
 
 DESCRIPTIONS = {
     "W1": "W1: MLP 784-2048-2048-10, SGD, global batch 512",
@@ -182,7 +190,39 @@ def _rank_configs(name: str, quick: bool, rank: int, timed: Callable, closers: l
             "threads": 1,
         }
         configs.append(_Config(row, timed(_strategy_step(strategy, name, quick), 1, dist.barrier)))
+    # Sharded data parallelism at equal sharding: spread's ZeRO-3 and FSDP2, one unit per block.
+    units = SHARD_UNITS[name]
+    sharded = spread.ShardedStrategy(shard="parameters", units=units)
+    closers.append(sharded.close)
+    row = {"config": 'spread Sharded 2 x 1 thread, shard="parameters"', "kind": "sharded", "processes": 2}
+    configs.append(
+        _Config({**row, "threads": 1}, timed(_strategy_step(sharded, name, quick), 1, dist.barrier))
+    )
+    fsdp2 = _plain_step(
+        name, quick, rank, dist.get_world_size(), wrap=lambda model: _fully_shard(model, units)
+    )
+    row = {
+        "config": "PyTorch FSDP2 (fully_shard) 2 x 1 thread",
+        "kind": "fsdp2",
+        "processes": 2,
+        "threads": 1,
+    }
+    configs.append(_Config(row, timed(fsdp2, 1, dist.barrier)))
     return configs
+
+
+def _fully_shard(model: torch.nn.Module, units: tuple[type[torch.nn.Module], ...]) -> torch.nn.Module:
+    """FSDP2 as its tutorial applies it: each block of ``units``, then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, units):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _all_job(

@@ -50,11 +50,22 @@ def test_quick_run_writes_tables_section_and_json(tmp_path):
         "communication=auto",
         "cross_device_ops=hierarchical_copy",
         "one process, 2 threads",
+        'spread Sharded 2 x 1 thread, shard="parameters"',
+        "PyTorch FSDP2 (fully_shard) 2 x 1 thread",
     ):
         assert config in text
     raw = json.loads((tmp_path / "raw.json").read_text())
     rows = raw["throughput"]["W1"]["rows"]
-    assert {r["kind"] for r in rows} == {"single", "mirrored", "ddp", "mwms", "tensorflow"}
+    assert {r["kind"] for r in rows} == {
+        "single",
+        "mirrored",
+        "ddp",
+        "mwms",
+        "sharded",
+        "fsdp2",
+        "tensorflow",
+    }
+    assert "spread Sharded / PyTorch FSDP2 throughput, paired by round: **" in text
     assert all(rate > 0 for r in rows for rate in r["rates"])
     (tf_row,) = [r for r in rows if r["kind"] == "tensorflow"]  # --quick never starts TensorFlow
     assert tf_row["rates"] == [] and tf_row["skipped"] == "skipped: not run with --quick"

@@ -5,7 +5,8 @@ anything. Definitions (also written into the generated section):
 
 * rate: units (samples, or tokens for W2) per second of one timed repetition; the table gives the
   median over repetitions, min, max, and the spread ``(max - min) / median``;
-* vs DDP: median / PyTorch DDP's median on the same workload, in the same run;
+* vs DDP: median / PyTorch DDP's median on the same workload, in the same run (and, under the
+  table, spread's ShardedStrategy over PyTorch FSDP2's, paired the same way);
 * scaling efficiency: median / (cores used x the median of one process with 1 thread), cores used
   = processes x threads (so one process with 2 threads counts 2, as 2 replicas do).
 """
@@ -85,6 +86,18 @@ def throughput_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sharded_vs_fsdp2(result: dict[str, Any]) -> str | None:
+    """Issue 19's headline: spread's ZeRO-3 throughput over FSDP2's at equal sharding, paired by
+    round (None when the run has no such pair)."""
+    rows = result["rows"]
+    sharded = next((r for r in rows if r["kind"] == "sharded" and r["rates"]), None)
+    fsdp2 = next((r for r in rows if r["kind"] == "fsdp2" and r["rates"]), None)
+    if sharded is None or fsdp2 is None:
+        return None
+    ratio = _paired(sharded, fsdp2)
+    return f"spread Sharded / PyTorch FSDP2 throughput, paired by round: **{ratio:.2f}x**"
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
@@ -127,6 +140,9 @@ def report(results: dict[str, Any], *, command: str, machine: str, image: str | 
     ]
     for name, result in results["throughput"].items():
         parts += ["", f"### {result.get('description', name)}", "", throughput_table(result)]
+        versus = sharded_vs_fsdp2(result)
+        if versus:
+            parts += ["", versus + "."]
     if results.get("allreduce"):
         ar = results["allreduce"]
         parts += [

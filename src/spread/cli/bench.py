@@ -27,7 +27,8 @@ from typing import Any
 _DESCRIPTION = """\
 Measure W1 (dense MLP) and W2 (small GPT) training throughput under: one process with 1 and 2
 threads, MirroredStrategy with 2 replicas (every cross_device_ops), PyTorch DDP 2 x 1 thread and
-MultiWorkerMirroredStrategy 2 x 1 thread with every communication algorithm, and (W1, when
+MultiWorkerMirroredStrategy 2 x 1 thread with every communication algorithm, spread's
+ShardedStrategy(shard="parameters") and PyTorch FSDP2 2 x 1 thread, and (W1, when
 tensorflow is installed, not with --quick) TensorFlow's MultiWorkerMirroredStrategy 2 x 1 thread;
 then the all-reduce microbenchmark (4 KB to 64 MB, every algorithm vs gloo's own). The
 configurations of a workload take turns in interleaved rounds and the ratios are paired by round,
@@ -195,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         )
         results["throughput"][name] = merged
         print(f"\n{merged['description']}\n{report.throughput_table(merged)}", flush=True)
+        versus = report.sharded_vs_fsdp2(merged)
+        if versus:
+            print(versus, flush=True)
     if not args.no_allreduce:
         ar_args = ["--quick"] if args.quick else ["--reps", str(args.reps or 7)]
         results["allreduce"] = _job(folder / "allreduce_bus.py", ar_args, args.timeout)
