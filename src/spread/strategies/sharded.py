@@ -59,6 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -66,8 +68,9 @@ from spread.cluster import ClusterSpec
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, PendingCollective
 from spread.comm.sharding import ShardLayout
 from spread.data import StepInfo
-from spread.errors import SpreadError
+from spread.errors import CheckpointMismatchError, SpreadError
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.strategies.base import BackupState
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 
@@ -610,6 +613,131 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             mine[index] = {k: self._chunk_state(block, i, k, v) for k, v in entry.items()}
         optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
 
+    # -- backups written per rank ------------------------------------------------------------------
+    # Each parameter's (and per-element optimizer state's) chunk is this rank's piece of the flat
+    # one-device tensor, at offset rank * chunk: torch.chunk's split, which is DTensor's Shard(0)
+    # on a 1-D mesh. Saved as DTensors, DCP stores each piece with its offset and, at another world
+    # size, reads each rank the saved ranges overlapping its new piece: no rank holds more than its
+    # shard (plus one saved chunk's overlap) on the way in or out.
+    def _mesh(self) -> DeviceMesh:
+        group = self.collectives.group or torch.distributed.group.WORLD
+        assert group is not None, "ShardedStrategy runs inside a process group"
+        return DeviceMesh.from_group(group, self.collectives.device.type)
+
+    def _piece(self, block: _Block, i: int, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """This rank's ``chunk`` of tensor ``i`` (padding cut off) as its piece of the flat tensor."""
+        numel, c = block.layout.numel(i), block.layout.chunks[i]
+        local = chunk[: max(0, min(c, numel - self.collectives.rank * c))]
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+        )
+
+    def _managed_names(self, model: nn.Module) -> dict[str, tuple[_Block, int]]:
+        return {
+            name: self._block_of[id(p)] for name, p in model.named_parameters() if id(p) in self._block_of
+        }
+
+    def backup_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> BackupState:
+        """Collective: the chief's replicated part holds buffers, parameter shapes, the optimizer's
+        param groups and scalar state; every rank's ``shards`` hold its pieces of the parameters and
+        of their per-element optimizer state. Nothing is gathered."""
+        mesh = self._mesh()
+        managed = self._managed_names(model)
+        shards: dict[str, torch.Tensor] = {
+            f"model/{name}": self._piece(block, i, block.shards[i].detach(), mesh)
+            for name, (block, i) in managed.items()
+        }
+        model_part: dict[str, Any] = {
+            k: v.detach().clone()
+            for k, v in model.state_dict(keep_vars=True).items()
+            if id(v) not in self._block_of
+        }
+        params = self._optimizer_params(optimizer)
+        saved = optimizer.state_dict()
+        kept: dict[int, dict[str, Any]] = {}
+        per_rank: dict[int, list[str]] = {}
+        for index, entry in saved["state"].items():
+            block = self._shard_to_block.get(id(params[index]))
+            kept[index] = {}
+            for key, value in entry.items():
+                if block is not None and _is_per_element(key, value, params[index].shape):
+                    i = _index_in(block, params[index])
+                    shards[f"optimizer/{index}/{key}"] = self._piece(block, i, value, mesh)
+                    per_rank.setdefault(index, []).append(key)
+                else:
+                    kept[index][key] = value
+        optimizer_part = {
+            "state": kept,
+            "param_groups": saved["param_groups"],
+            "per_rank_state": per_rank,
+            "parameter_shapes": {name: list(block.layout.shapes[i]) for name, (block, i) in managed.items()},
+        }
+        return BackupState(model_part, optimizer_part, shards)
+
+    def backup_model_like(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in self._block_of}
+
+    def backup_shards_like(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor] | None:
+        optimizer_part = saved.get("optimizer") or {}
+        if "per_rank_state" not in optimizer_part:
+            return None  # a backup of the one-device state (an older spread): restored as such
+        managed = self._managed_names(model)
+        shapes = {name: list(block.layout.shapes[i]) for name, (block, i) in managed.items()}
+        saved_shapes = optimizer_part.get("parameter_shapes", {})
+        problems = [
+            f"parameter {name!r}: saved {tuple(saved_shapes[name])}, expected {tuple(shape)}"
+            for name, shape in shapes.items()
+            if name in saved_shapes and list(saved_shapes[name]) != shape
+        ]
+        params = self._optimizer_params(optimizer)
+        mesh = self._mesh()
+        like: dict[str, torch.Tensor] = {
+            f"model/{name}": self._piece(block, i, block.shards[i].detach(), mesh)
+            for name, (block, i) in managed.items()
+        }
+        for index, keys in optimizer_part["per_rank_state"].items():
+            block = self._shard_to_block.get(id(params[index])) if 0 <= index < len(params) else None
+            if block is None:
+                problems.append(f"optimizer state {index}: no sharded parameter has that index now")
+                continue
+            i = _index_in(block, params[index])
+            for key in keys:
+                like[f"optimizer/{index}/{key}"] = self._piece(block, i, block.shards[i].detach(), mesh)
+        if problems:
+            raise CheckpointMismatchError("the backup", "sharded parameters", problems)
+        return like
+
+    def restore_backup_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: BackupState
+    ) -> None:
+        """Collective at ``"optimizer"`` and ``"gradients"`` (the model's full parameters are
+        all-gathered from the restored shards); the rest is local."""
+        if state.shards is None:
+            super().restore_backup_state(model, optimizer, state)
+            return
+        model.load_state_dict(state.model, strict=False)  # buffers; backup_model_like checked them
+        with torch.no_grad():
+            for name, (block, i) in self._managed_names(model).items():
+                _fill(block.shards[i], state.shards[f"model/{name}"])
+        params = self._optimizer_params(optimizer)
+        optimizer_state: dict[int, dict[str, Any]] = {}
+        for index, entry in state.optimizer["state"].items():
+            optimizer_state[index] = dict(entry)
+            for key in state.optimizer["per_rank_state"].get(index, []):
+                chunk = params[index].detach().new_zeros(params[index].shape)
+                _fill(chunk, state.shards[f"optimizer/{index}/{key}"])
+                optimizer_state[index][key] = chunk
+        optimizer.load_state_dict({"state": optimizer_state, "param_groups": state.optimizer["param_groups"]})
+        for block in self._blocks:
+            if self.shard == "parameters":
+                if block.resident:
+                    block.release()  # the next forward gathers the restored shards
+            else:
+                block.resident = False
+                block.gather()
+
     # -- memory ------------------------------------------------------------------------------------
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Bytes this rank holds: the model's parameters (0 for released ones) and its shards; the
@@ -644,6 +772,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     def __repr__(self) -> str:
         return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _fill(chunk: torch.Tensor, piece: torch.Tensor) -> None:
+    """Write a restored piece into a (padded) chunk; the padding is zeros."""
+    chunk.zero_()
+    chunk[: piece.numel()].copy_(piece.reshape(-1))
 
 
 def _index_in(block: _Block, shard: torch.Tensor) -> int:

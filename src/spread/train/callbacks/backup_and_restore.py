@@ -56,7 +56,9 @@ import torch
 
 from spread.checkpoint import CheckpointManager
 from spread.checkpoint.compat import field_mismatches, optimizer_mismatches, raise_if, tensor_mismatches
+from spread.checkpoint.manager import SHARDS_KEY
 from spread.errors import SpreadError
+from spread.strategies import BackupState
 from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
 from spread.train.preemption import PreemptionWatch, TrainingPreempted
@@ -107,15 +109,21 @@ class BackupAndRestore(Callback):
             self._resume_after_the_chief()
             return
         own_parts = strategy.ranks_with_own_backup()
-        found = self._load_for_every_task() if own_parts else self.manager.load_latest()
+        if own_parts:
+            found = self._load_for_every_task()
+        else:
+            found = self.manager.load_latest(shards_like=self._shards_like)
         if found is None:
             if trainer.is_chief:
                 strategy.restore_backup_extras(None, 0)
             return
         step, state = found
         self._check_compatible(state, step)
-        strategy.load_model_state_dict(trainer.model, state["model"])
-        strategy.load_optimizer_state_dict(trainer.optimizer, state["optimizer"])
+        strategy.restore_backup_state(
+            trainer.model,
+            trainer.optimizer,
+            BackupState(state["model"], state["optimizer"], state.get(SHARDS_KEY)),
+        )
         trainer.load_training_state(state.get("trainer") or {})
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
@@ -130,6 +138,11 @@ class BackupAndRestore(Callback):
         if trainer.is_chief:
             strategy.restore_backup_extras(state.get("strategy"), trainer.global_step)
         self.restored_step = step
+
+    def _shards_like(self, saved: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """What this rank reads of a backup's per-rank part (read per candidate backup, so a
+        corrupt shard falls back to an older backup)."""
+        return self.trainer.strategy.backup_shards_like(self.trainer.model, self.trainer.optimizer, saved)
 
     def _resume_after_the_chief(self) -> None:
         """A rank that does not read the backup: wait for the chief's word (a backup restored, or a
@@ -248,7 +261,7 @@ class BackupAndRestore(Callback):
                 self.resumed_from_replicas = int(saved_replicas)
             else:
                 problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
-        problems += tensor_mismatches(state["model"], trainer.strategy.local_state_dict(trainer.model))
+        problems += tensor_mismatches(state["model"], trainer.strategy.backup_model_like(trainer.model))
         problems += optimizer_mismatches(
             state["optimizer"],
             trainer.optimizer,
@@ -301,13 +314,14 @@ class BackupAndRestore(Callback):
         strategy = trainer.strategy
         rng = _torch_rng_states().unsqueeze(0)
         all_rng = strategy.gather_from_every_rank(rng)
-        model_state = strategy.model_state_dict(trainer.model)  # collective where state_is_collective
-        optimizer_state = strategy.optimizer_state_dict(trainer.optimizer)
+        backup = strategy.backup_state(trainer.model, trainer.optimizer)  # collective where it must be
         callback_states = self._callback_states()  # may be collective too
         failure: BaseException | None = None
-        if trainer.is_chief:
+        if backup.shards is not None:  # every rank writes its part; the chief adds the replicated one
+            self._write(all_rng, backup, callback_states)
+        elif trainer.is_chief:
             try:
-                self._write(all_rng, model_state, optimizer_state, callback_states)
+                self._write(all_rng, backup, callback_states)
             except Exception as exc:  # reported to the other ranks below, then re-raised
                 failure = exc
         elif strategy.rank in strategy.ranks_with_own_backup():  # its own part, beside the chief's
@@ -350,18 +364,17 @@ class BackupAndRestore(Callback):
             },
         }
 
-    def _write(
-        self,
-        all_rng: torch.Tensor,
-        model_state: dict[str, Any],
-        optimizer_state: dict[str, Any],
-        callback_states: dict[str, Any],
-    ) -> None:
+    def _write(self, all_rng: torch.Tensor, backup: BackupState, callback_states: dict[str, Any]) -> None:
+        """The chief writes the backup; with a per-rank part every rank calls this (a collective
+        save: each rank's shards, the chief's replicated state, one commit)."""
         trainer = self.trainer
+        if backup.shards is not None and not trainer.is_chief:
+            self.manager.save(trainer.global_step, {}, shards=backup.shards)
+            return
         state: dict[str, Any] = {
             "config": self._config(),
-            "model": model_state,
-            "optimizer": optimizer_state,
+            "model": backup.model,
+            "optimizer": backup.optimizer,
             **self._common_state(all_rng),
         }
         if callback_states:
@@ -369,7 +382,7 @@ class BackupAndRestore(Callback):
         extras = trainer.strategy.backup_extras(trainer.global_step)
         if extras:
             state["strategy"] = extras
-        self.manager.save(trainer.global_step, state)
+        self.manager.save(trainer.global_step, state, shards=backup.shards)
 
 
 def _torch_rng_states() -> torch.Tensor:
