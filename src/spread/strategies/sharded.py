@@ -718,8 +718,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             super().restore_backup_state(model, optimizer, state)
             return
         model.load_state_dict(state.model, strict=False)  # buffers; backup_model_like checked them
+        managed = self._managed_names(model)
         with torch.no_grad():
-            for name, (block, i) in self._managed_names(model).items():
+            for name, (block, i) in managed.items():
                 _fill(block.shards[i], state.shards[f"model/{name}"])
         params = self._optimizer_params(optimizer)
         optimizer_state: dict[int, dict[str, Any]] = {}
@@ -730,7 +731,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 _fill(chunk, state.shards[f"optimizer/{index}/{key}"])
                 optimizer_state[index][key] = chunk
         optimizer.load_state_dict({"state": optimizer_state, "param_groups": state.optimizer["param_groups"]})
-        for block in self._blocks:
+        for block in {id(b): b for b, _ in managed.values()}.values():  # in creation order
             if self.shard == "parameters":
                 if block.resident:
                     block.release()  # the next forward gathers the restored shards
