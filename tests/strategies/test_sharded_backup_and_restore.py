@@ -15,6 +15,7 @@ from torch import nn
 
 import spread
 from spread.errors import CheckpointMismatchError
+from spread.strategies import BackupState
 from spread.testing import run_ranks
 from spread.train.callbacks import BackupAndRestore, Callback
 
@@ -152,3 +153,32 @@ def test_a_corrupt_shard_falls_back_to_the_previous_backup_and_ends_the_same(tmp
             assert result["restored"] == 6, f"rank {rank}, shard={stage}"
             for key, value in result["reference"].items():
                 assert torch.equal(result["resumed"][key], value), f"rank {rank}, shard={stage}, {key}"
+
+
+def _one_device_backup_then_resume(root: str) -> dict:
+    """A backup of the gathered one-device state (what spread wrote before per-rank backups) still
+    resumes, into the shards, and ends as the uninterrupted run."""
+    strategy = spread.ShardedStrategy(shard="parameters")
+    try:
+        reference = _fit(strategy, BackupAndRestore(f"{root}/ref", save_freq=3))
+        strategy.backup_state = lambda model, optimizer: BackupState(  # type: ignore[method-assign]
+            strategy.model_state_dict(model), strategy.optimizer_state_dict(optimizer)
+        )
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _fit(strategy, BackupAndRestore(f"{root}/run", save_freq=3), crash=True)
+        assert not any(Path(root, "run", "ckpt-0000000009").glob("*.distcp"))
+        del strategy.backup_state
+        backup = BackupAndRestore(f"{root}/run", save_freq=3)
+        resumed = _fit(strategy, backup)
+        return {"restored": backup.restored_step, "reference": reference, "resumed": resumed}
+    finally:
+        strategy.close()
+
+
+@pytest.mark.processes
+def test_a_backup_of_the_one_device_state_still_resumes(tmp_path):
+    per_rank = run_ranks(_one_device_backup_then_resume, WORLD, args=(str(tmp_path),), timeout=240)
+    for rank, result in enumerate(per_rank):
+        assert result["restored"] == 9, rank
+        for key, value in result["reference"].items():
+            assert torch.equal(result["resumed"][key], value), f"rank {rank}, {key}"

@@ -224,10 +224,11 @@ class BackupAndRestore(Callback):
                 (self._task_manager(r).directory / f"ckpt-{step:010d}").is_dir()
                 for r in self.trainer.strategy.ranks_with_own_backup()
             ):
-                found = self.manager.load_latest(step=step)
+                found = self.manager.load_latest(step=step, shards_like=self._shards_like)
                 if found is not None:
                     return found
-        return self.manager.load_latest()  # no common step: resume anyway (tasks' RNG afresh)
+        # No common step: resume anyway (tasks' RNG afresh).
+        return self.manager.load_latest(shards_like=self._shards_like)
 
     def _config(self) -> dict[str, Any]:
         """What must be unchanged for an exact resume: the strategy, its replicas, the batch size."""
@@ -261,7 +262,10 @@ class BackupAndRestore(Callback):
                 self.resumed_from_replicas = int(saved_replicas)
             else:
                 problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
-        problems += tensor_mismatches(state["model"], trainer.strategy.backup_model_like(trainer.model))
+        strategy = trainer.strategy
+        # A backup with a per-rank part holds the rest of the model; one without, all of it.
+        model_like = strategy.backup_model_like if SHARDS_KEY in state else strategy.local_state_dict
+        problems += tensor_mismatches(state["model"], model_like(trainer.model))
         problems += optimizer_mismatches(
             state["optimizer"],
             trainer.optimizer,
