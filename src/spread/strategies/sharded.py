@@ -45,6 +45,9 @@ a layer's weight in its own forward, like a tied LM head, is right with the defa
 classes as units; with ``units="modules"`` it is not). Between forwards a released parameter reads
 as zeros of its shape (one element of memory; writing into it raises): use
 :meth:`ShardedStrategy.model_state_dict` or :meth:`ShardedStrategy.unsharded` to see the values.
+
+Backups (:meth:`ShardedStrategy.backup_state`) are per rank, through DCP, and never gathered; the
+one-device state for export is :meth:`ShardedStrategy.model_state_dict` (collective, gathered).
 """
 
 from __future__ import annotations

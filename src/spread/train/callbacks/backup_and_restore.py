@@ -14,7 +14,8 @@ class; restoring into a model, optimizer or strategy that differs raises
 weight is overwritten (an exact resume is impossible across such a change). The replica count alone
 may change where the strategy says so
 (:meth:`~spread.strategies.Strategy.replica_count_change_refusal`): data-parallel backups hold the
-one-device state and count data in global batches, so a job backed up at 2 processes resumes at 1, 3
+one-device state (ShardedStrategy: every rank's piece of it, which DCP reshards) and count data in
+global batches, so a job backed up at 2 processes resumes at 1, 3
 or 4 and ends with the weights the 2-process run would have had (float tolerance: the sums are split
 differently). Random layers (dropout) draw from each rank's own stream, so they cannot repeat what
 ranks that no longer exist would have drawn; ranks beyond the saved count get a stream derived
@@ -25,14 +26,17 @@ Callbacks with state of their own (:class:`~spread.callbacks.EMA`) are part of t
 ``EMA#1`` for a second one): collected on every rank at each backup, restored on every rank that
 reads it.
 
-Every rank must use the callback (it gathers RNG states collectively); only the chief writes.
+Every rank must use the callback (it gathers RNG states collectively); only the chief writes,
+except a strategy's per-rank part (``BackupState.shards``), which every rank writes in parallel.
 Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
 a warning in favour of the previous one.
 
 What differs between strategies is the strategy's own business, through the methods of
-:class:`~spread.strategies.Strategy` this callback calls: the state in the one-device layout
-(``model_state_dict``/``optimizer_state_dict``, collective where ``state_is_collective``: a
-pipeline's stages), every rank's RNG states (``gather_from_every_rank``), what the chief's backup
+:class:`~spread.strategies.Strategy` this callback calls: the model's and optimizer's state
+(``backup_state``/``restore_backup_state``: by default the one-device layout of
+``model_state_dict``/``optimizer_state_dict``, collective where ``state_is_collective``: a
+pipeline's stages; ShardedStrategy: each rank's shards, ``backup_shards_like`` saying what a rank
+reads back), every rank's RNG states (``gather_from_every_rank``), what the chief's backup
 holds besides (``backup_extras``/``restore_backup_extras``: parameter servers' shards and ledgers),
 ranks that learn where to resume from the chief instead of reading the backup
 (``restores_on_chief_only``/``wait_for_chief_restore``), ranks that save their own part of each
@@ -321,7 +325,10 @@ class BackupAndRestore(Callback):
         backup = strategy.backup_state(trainer.model, trainer.optimizer)  # collective where it must be
         callback_states = self._callback_states()  # may be collective too
         failure: BaseException | None = None
-        if backup.shards is not None:  # every rank writes its part; the chief adds the replicated one
+        if backup.shards is not None:
+            # Every rank writes its part, the chief adds the replicated one: a collective save, so
+            # a rank that fails makes DCP raise on every rank, and a chief that fails to commit
+            # leaves the others at the commit barrier until its timeout names it.
             self._write(all_rng, backup, callback_states)
         elif trainer.is_chief:
             try:
