@@ -393,7 +393,10 @@ class BackupAndRestore(Callback):
         extras = trainer.strategy.backup_extras(trainer.global_step)
         if extras:
             state["strategy"] = extras
-        self.manager.save(trainer.global_step, state, shards=backup.shards)
+        if backup.shards is None:
+            self.manager.save(trainer.global_step, state)
+        else:
+            self.manager.save(trainer.global_step, state, shards=backup.shards)
 
 
 def _torch_rng_states() -> torch.Tensor:
