@@ -19,9 +19,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import block_workloads as workloads
+import model_families as workloads
+from torch import nn
 
 import spread
+
+
+def _units(workload: str) -> tuple[type[nn.Module], ...] | str:
+    """One unit per top-level block of a chain, as the planner predicts ShardedStrategy; else the model."""
+    model = workloads.make(workload)[0]
+    if not isinstance(model, nn.Sequential):
+        return "model"
+    return tuple(dict.fromkeys(type(block) for block in model if any(True for _ in block.parameters())))
 
 
 def _strategy(args: argparse.Namespace) -> spread.Strategy:
@@ -38,8 +47,13 @@ def _strategy(args: argparse.Namespace) -> spread.Strategy:
     if args.strategy == "pipeline":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return spread.PipelineStrategy(
-            stages=args.stages, microbatches=args.microbatches, schedule="1f1b", replicas=world // args.stages
+            stages=args.stages,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            replicas=world // args.stages,
         )
+    if args.strategy == "sharded":
+        return spread.ShardedStrategy(shard=args.shard, units=_units(args.workload))
     raise SystemExit(f"validation worker: strategy {args.strategy!r} is not measured by this worker")
 
 
@@ -51,6 +65,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--shard", default="parameters")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

@@ -1,10 +1,11 @@
 """Validate ``spread plan`` on this machine: predicted vs measured step time, and the recommendation.
 
-For each workload (W1, W2, W3 of benchmarks/block_workloads.py) and process count N, every configuration
-that runs on one machine is predicted (from the calibration profile and a profile of the model taken
-here) and then measured for real (benchmarks/_validation_worker.py under ``spread run``). Reports the
-error of each prediction, the median absolute error, and whether the recommended configuration was
-the measured best in each (workload, N) cell.
+For each workload (W1, W2, W3 of benchmarks/block_workloads.py, or the seven families of
+benchmarks/model_families.py: mlp, cnn, resnet, transformer, gpt2, recommender, lstm) and process
+count N, every configuration that runs on one machine is predicted (from the calibration profile and
+a profile of the model taken here) and then measured for real (benchmarks/_validation_worker.py
+under ``spread run``). Reports the error of each prediction, the median absolute error, and whether
+the recommended configuration was the measured best in each (workload, N) cell.
 
     python benchmarks/plan_validation.py [--workloads W1,W2,W3] [--procs 2,3,4] [--profile PATH]
         [--steps 5] [--json results.json]
@@ -39,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import block_workloads as workloads  # noqa: E402
+import model_families as workloads  # noqa: E402
 
 from spread.plan.advisor import make_plan  # noqa: E402
 from spread.plan.calibration import CalibrationProfile, calibrate, load_profile  # noqa: E402
@@ -54,6 +55,7 @@ MEASURABLE = {
     "multi_worker_mirrored",
     "parameter_server",
     "pipeline",
+    "sharded",
 }
 
 
@@ -81,7 +83,21 @@ def _measure(workload: str, candidate, steps: int, timeout: float) -> float | No
             cmd = [*run, "--workers", str(n - servers - 1), "--ps", str(servers), *worker]
         elif candidate.strategy == "pipeline":
             stages, micro = str(candidate.get("stages")), str(candidate.get("microbatches"))
-            cmd = [*run, "-n", str(n), *worker, "--stages", stages, "--microbatches", micro]
+            schedule = candidate.get("schedule")
+            cmd = [
+                *run,
+                "-n",
+                str(n),
+                *worker,
+                "--stages",
+                stages,
+                "--microbatches",
+                micro,
+                "--schedule",
+                schedule,
+            ]
+        elif candidate.strategy == "sharded":
+            cmd = [*run, "-n", str(n), *worker, "--shard", candidate.get("shard")]
         elif candidate.strategy == "one_device":
             cmd = [sys.executable, *worker, "--threads", str(os.cpu_count() or 1)]
         else:
@@ -178,6 +194,33 @@ def _report(rows: list[dict], cells: list[dict]) -> None:
             f"| {c['workload']} | {c['procs']} | {c['recommended']} | {c['measured_best']} | "
             f"{'yes' if c['hit'] else ('within 5%' if c['close'] else 'no')} | {c['best_ms']:.0f} | "
             f"{c['recommended_ms']:.0f} |"
+        )
+    _summary(rows, cells)
+
+
+def _summary(rows: list[dict], cells: list[dict]) -> None:
+    """Median absolute error and recommendation quality: over all rows, and over each half of issue
+    20's split (``model_families.FITTED``: what the cost model may be adjusted on; ``HELD_OUT``: only
+    checked) when the rows include families of both halves."""
+    groups = {"all": None}
+    names = {r["workload"] for r in rows}
+    if names & set(workloads.FITTED) and names & set(workloads.HELD_OUT):
+        groups.update(fitted=set(workloads.FITTED), held_out=set(workloads.HELD_OUT))
+    print(
+        "\n| rows | configurations | median abs. error | within 20% | cells | recommended within 5% of best |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, members in groups.items():
+        mine = [r for r in rows if members is None or r["workload"] in members]
+        here = [c for c in cells if members is None or c["workload"] in members]
+        errors = [abs(r["error"]) for r in mine if r["error"] is not None]
+        if not errors or not here:
+            continue
+        close = sum(c["close"] for c in here)
+        within = sum(e <= 0.2 for e in errors)
+        print(
+            f"| {label} | {len(errors)} | {statistics.median(errors):.0%} | {within} of {len(errors)} "
+            f"| {len(here)} | {close} of {len(here)} ({close / len(here):.0%}) |"
         )
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if errors and cells:

@@ -1,6 +1,8 @@
-"""Model-state bytes per rank on W2 (GPT decoder, AdamW) after one step: MultiWorkerMirrored and
-ShardedStrategy at every stage, in the same job (``Strategy.memory_report``; bytes of storage, not
-timings, so a shared machine does not disturb them).
+"""Model-state and activation bytes per rank on W2 (GPT decoder, AdamW) after one step:
+MultiWorkerMirrored and ShardedStrategy at every stage, in the same job (``Strategy.memory_report``
+with the step run under ``Strategy.measure_activations``; bytes of storage, not timings, so a shared
+machine does not disturb them). The last line is what ``spread plan`` predicts for the activations
+of one replica's batch (the same meter, at the profiled batch, scaled per sample).
 
     python benchmarks/sharded_memory.py 2      # processes (2 and 4 in docs/architecture.md)
 
@@ -19,6 +21,7 @@ from torch import nn
 from workloads import make
 
 import spread
+from spread.plan.workload import measure_model
 from spread.testing import run_ranks
 
 CONFIGS = {
@@ -35,11 +38,20 @@ def _one_step(strategy: spread.Strategy) -> tuple[list[int], dict]:
         optimizer = make_optimizer(model.parameters())
     strategy.prepare_optimizer(optimizer)
     x, y = batch(global_batch // strategy.num_replicas_in_sync)
-    strategy.run(lambda: loss_fn(model(x), y).backward())
+    with strategy.measure_activations():
+        strategy.run(lambda: loss_fn(model(x), y).backward())
     optimizer.step()
     report = strategy.memory_report(optimizer)
     sizes = [report.parameter_bytes, report.gradient_bytes, report.optimizer_state_bytes]
-    return [*sizes, report.model_state_bytes], strategy.model_state_dict(model)
+    return [*sizes, report.model_state_bytes, report.activation_bytes], strategy.model_state_dict(model)
+
+
+def _predicted_activations(nprocs: int) -> float:
+    """``spread plan``'s activation bytes per device for W2 over ``nprocs`` replicas (profiled here)."""
+    model, loss_fn, _, batch, global_batch = make("W2")
+    x, y = batch(global_batch)
+    profile = measure_model(model, loss_fn, x, y, repeats=1)
+    return profile.activation_bytes_per_sample * (global_batch // nprocs)
 
 
 def _job() -> dict:
@@ -62,12 +74,16 @@ def main() -> None:
     results = run_ranks(_job, nprocs, timeout=550)
     mirrored = results[0]["mirrored"][3]
     print(f"W2, AdamW, {nprocs} processes, rank 0, bytes after one step (before zero_grad)")
-    header = ("configuration", "parameters", "gradients", "optim state", "model state")
+    header = ("configuration", "parameters", "gradients", "optim state", "model state", "activations")
     print(f"{header[0]:26} " + " ".join(f"{h:>11}" for h in header[1:]) + "  ratio")
     for name, row in results[0].items():
-        extra = f"  max |w - mirrored| {row[4]:.1e}" if len(row) > 4 else ""
-        sizes = " ".join(f"{v:>11,}" for v in row[:4])
+        extra = f"  max |w - mirrored| {row[5]:.1e}" if len(row) > 5 else ""
+        sizes = " ".join(f"{v:>11,}" for v in row[:5])
         print(f"{name:26} {sizes}  {row[3] / mirrored:.2f}{extra}")
+    predicted = _predicted_activations(nprocs)
+    measured = results[0]["mirrored"][4]
+    ratio = predicted / measured
+    print(f"spread plan predicts {predicted:,.0f} activation bytes per device ({ratio:.4f}x measured)")
 
 
 if __name__ == "__main__":

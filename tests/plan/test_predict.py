@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
+import spread
 from spread.plan.advisor import PlanError, make_plan
 from spread.plan.cluster import DEFAULT_INTRA, ClusterModel
 from spread.plan.costs import Link, sharded_memory
 from spread.plan.predict import Candidate, Options, balanced_stage_shares, candidates, predict
-from spread.plan.workload import LayerProfile, ModelProfile
+from spread.plan.workload import LayerProfile, ModelProfile, measure_model
 
 MB = 1e6
 
@@ -357,3 +361,53 @@ def test_sharding_is_recommended_when_only_it_fits():
     assert plan.recommended.candidate.label == "sharded[parameters]"
     assert plan.recommended.memory.total == pytest.approx(23.95 * MB)
     assert "does not fit in memory" in plan.reason
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _TinyDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(64, 32)
+        self.pos = nn.Embedding(16, 32)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(32, 4, 128, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(2)
+        )
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(16), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for layer in self.layers:
+            h = layer(h, src_mask=self.mask, is_causal=True)
+        return h @ self.tok.weight.T
+
+
+@pytest.mark.parametrize("workload", ["mlp", "decoder"])
+def test_predicted_activation_bytes_are_what_measure_activations_measures(workload):
+    # The planner profiles at batch 16 and predicts 2 replicas of 8; one replica measured at 8 must
+    # hold those bytes. Tolerance 0.1%: tensors that do not grow with the batch (the loss's scalar
+    # weight, the decoder's position indices: 4 and 128 bytes at any batch) are spread per sample.
+    torch.manual_seed(0)
+    if workload == "mlp":
+        make = lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))  # noqa: E731
+        loss_fn: Any = nn.CrossEntropyLoss()
+        x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    else:
+        make, loss_fn = _TinyDecoder, _lm_loss
+        x, y = torch.randint(0, 64, (16, 16)), torch.randint(0, 64, (16, 16))
+    profile = measure_model(make(), loss_fn, x, y, repeats=1)
+    strategy = spread.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        model = make()
+    with strategy.measure_activations():
+        strategy.run(lambda: loss_fn(model(x[:8]), y[:8]).backward())
+    measured = strategy.memory_report().activation_bytes
+    for candidate in (
+        Candidate("multi_worker_mirrored", 2),
+        Candidate("sharded", 2, (("shard", "parameters"),)),
+    ):
+        predicted = predict(candidate, profile, _cluster(), Options(global_batch=16)).memory.activations
+        assert predicted == pytest.approx(measured, rel=1e-3), candidate.label

@@ -75,3 +75,80 @@ def test_sparse_updates_equal_one_device_sgd(job):
     on_servers = strategy.client.pull(strategy.placement, [name])[name]
     assert torch.allclose(on_servers, ref_table.weight.detach(), rtol=1e-5, atol=1e-6)
     assert torch.allclose(head.weight, ref_head.weight, rtol=1e-5, atol=1e-6)
+
+
+class TiedLanguageModel(nn.Module):
+    """Token embedding reused as the output layer, as GPT-2 ties them: every row is read each step."""
+
+    def __init__(self, vocab: int = 50, dim: int = 4, tied: bool = True) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.out.weight = self.tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.tokens(ids))
+
+
+def _tied_steps(model: nn.Module, optimizer: torch.optim.Optimizer, run=None) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 5, (16,), generator=g)  # rows 0-4 looked up; the output reads all 50
+        optimizer.zero_grad()
+
+        def step(ids=ids) -> None:
+            nn.functional.cross_entropy(model(ids), (ids + 1) % 50).backward()
+
+        run(step) if run else step()
+        optimizer.step()
+
+
+def test_an_embedding_tied_to_a_dense_layer_is_a_dense_variable(job):
+    """Read by rows, the 45 rows only the output layer uses would never be pulled and their
+    gradients never pushed."""
+    strategy = job
+    torch.manual_seed(0)
+    reference = TiedLanguageModel()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = TiedLanguageModel()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    assert strategy._dense_names() == [strategy._names[id(model.tokens.weight)]]
+    _tied_steps(reference, ref_opt)
+    _tied_steps(model, optimizer, strategy.run)
+    torch.testing.assert_close(model.tokens.weight, reference.tokens.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_tying_after_the_table_was_placed_by_rows_is_refused_by_name(job):
+    strategy = job
+    with strategy.scope():
+        model = TiedLanguageModel(tied=False)  # the table is placed by rows
+    assert strategy._names[id(model.tokens.weight)] not in strategy._dense_names()
+    model.out.weight = model.tokens.weight  # tied after the scope
+    with pytest.raises(spread.errors.SpreadError, match=r"tied weights.*inside strategy.scope"):
+        strategy.prepare_model(model)
+
+
+def test_the_model_leaves_fit_and_checkpoints_with_the_servers_tables(job):
+    """A task's table holds the rows it looked up, as they were when it looked: rows it never
+    read keep their initial values. ``refresh_weights`` (the end of ``fit``) and
+    ``model_state_dict`` (checkpoints, best weights) pull tables whole."""
+    strategy = job
+    with strategy.scope():
+        torch.manual_seed(0)
+        table, head = nn.Embedding(100, 4), nn.Linear(4, 1)
+        optimizer = torch.optim.SGD([*table.parameters(), *head.parameters()], lr=0.5)
+    model = nn.Sequential(table, head)
+    name = strategy._names[id(table.weight)]
+    ids = torch.arange(10)
+    optimizer.zero_grad()
+    strategy.run(lambda: head(table(ids)).pow(2).mean().backward())
+    optimizer.step()  # rows 0-9 changed on the servers; this copy read them before the update
+    on_servers = strategy.client.pull(strategy.placement, [name])[name]
+    assert not torch.equal(table.weight.detach(), on_servers)
+    assert torch.equal(strategy.model_state_dict(model)["0.weight"], on_servers)
+    table.weight.data.zero_()
+    strategy.refresh_weights()
+    assert torch.equal(table.weight.detach(), on_servers)

@@ -239,9 +239,9 @@ def test_a_pipeline_refuses_a_model_compiled_whole_and_says_what_to_do(how, monk
         strategy.close()
 
 
-def _pipeline_worker(schedule: str) -> dict:
+def _pipeline_worker(schedule: str, replicas: int) -> dict:
     rank = int(os.environ["RANK"])
-    strategy = spread.PipelineStrategy(stages=2, microbatches=3, schedule=schedule)
+    strategy = spread.PipelineStrategy(stages=2, microbatches=3, schedule=schedule, replicas=replicas)
     try:
         with strategy.scope():
             model = make_model(rank * 101)
@@ -257,7 +257,11 @@ def _pipeline_worker(schedule: str) -> dict:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_a_pipeline_of_layers_compiled_in_place_equals_one_device(reference, schedule):
-    for rank, got in enumerate(run_ranks(_pipeline_worker, 2, args=(schedule,), timeout=300)):
-        _assert_fit_equal(got, reference["fit"], f"rank {rank}, {schedule}")
+@pytest.mark.parametrize(
+    ("schedule", "replicas"), [("1f1b", 1), ("zb", 1), ("1f1b", 2)], ids=["1f1b", "zb", "hybrid"]
+)
+def test_a_pipeline_of_layers_compiled_in_place_equals_one_device(reference, schedule, replicas):
+    """Hybrid: 2 stages x 2 pipeline replicas, the replicas' gradients all-reduced per stage."""
+    ranks = run_ranks(_pipeline_worker, 2 * replicas, args=(schedule, replicas), timeout=420)
+    for rank, got in enumerate(ranks):
+        _assert_fit_equal(got, reference["fit"], f"rank {rank}, {schedule}, {replicas} replica(s)")

@@ -200,7 +200,8 @@ def _memory_job(strategy) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer = strategy.prepare_optimizer(optimizer)
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
-    strategy.run(lambda: nn.functional.cross_entropy(model(x), y).backward())
+    with strategy.measure_activations():
+        strategy.run(lambda: nn.functional.cross_entropy(model(x), y).backward())
     optimizer.step()
     report = strategy.memory_report(optimizer)
     return {
@@ -208,6 +209,7 @@ def _memory_job(strategy) -> dict:
         "gradients": report.gradient_bytes,
         "optimizer_state": report.optimizer_state_bytes,
         "model_state": report.model_state_bytes,
+        "activations": report.activation_bytes,
     }
 
 
@@ -229,6 +231,12 @@ def test_memory_report_shrinks_with_each_stage():
     for rank, reports in enumerate(per_rank):
         mirrored, zero1, zero2, zero3, per_module = (reports[k] for k in ("mirrored", *CONFIGS))
         assert per_module == zero3, rank  # the same bytes between steps, whatever the units
+        # Activations do not shard: every stage saves what one replica's 8 samples save (the input,
+        # both ReLU outputs, log_softmax's output, the int64 targets, nll_loss's total weight);
+        # gathered parameters are parameters, not activations.
+        by_hand = 8 * (64 + 256 + 256 + 10) * 4 + 8 * 8 + 4
+        for stage, report in reports.items():
+            assert report["activations"] == by_hand, (rank, stage)
         # AdamW's two moments plus the step counts: about 2x the parameters' bytes.
         assert mirrored["optimizer_state"] >= 2 * mirrored["parameters"]
         assert zero1["optimizer_state"] < 0.55 * mirrored["optimizer_state"], rank

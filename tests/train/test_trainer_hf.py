@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 import spread
+from spread.testing import run_ps_job, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,13 +55,80 @@ def _train(strategy: spread.Strategy, data: Dataset, make_model, **fit) -> tuple
     return history.history, model
 
 
-def test_gpt2_on_dict_batches_under_mirrored_equals_one_device():
+@pytest.mark.parametrize("strategy_class", [spread.MirroredStrategy, spread.CentralStorageStrategy])
+def test_gpt2_on_dict_batches_equals_one_device(strategy_class):
+    """CentralStorage too: its variables live on one device and the replicas read them there, which
+    GPT-2's tied input and output embedding must survive (one parameter, two uses)."""
     data = TokenBatches(10)  # 10 samples, global batch 4: the last batch has 2 (one per replica)
     one_logs, one = _train(spread.OneDeviceStrategy(), data, _gpt2)
-    two_logs, two = _train(spread.MirroredStrategy(num_replicas=2), data, _gpt2)
+    two_logs, two = _train(strategy_class(num_replicas=2), data, _gpt2)
     assert one_logs["loss"] == pytest.approx(two_logs["loss"], rel=1e-5)
     for (name, a), b in zip(one.state_dict().items(), two.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _weights_after_fit(strategy: spread.Strategy) -> dict[str, torch.Tensor]:
+    try:
+        _, model = _train(strategy, TokenBatches(10), _gpt2)
+        return {k: v.detach().clone() for k, v in strategy.model_state_dict(model).items()}
+    finally:
+        strategy.close()
+
+
+def _process_worker(strategy_name: str) -> dict[str, torch.Tensor]:
+    if strategy_name == "sharded":
+        return _weights_after_fit(spread.ShardedStrategy(shard="parameters"))
+    return _weights_after_fit(spread.MultiWorkerMirroredStrategy())
+
+
+def _ps_worker() -> dict[str, torch.Tensor]:
+    return _weights_after_fit(spread.ParameterServerStrategy(mode="sync"))
+
+
+def _assert_same_weights(expected: torch.nn.Module, got: dict[str, torch.Tensor], who: str) -> None:
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(
+            got[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{who}: {name}: {m}"
+        )
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("strategy_name", ["multi_worker_mirrored", "sharded"])
+def test_gpt2_on_dict_batches_in_processes_equals_one_device(strategy_name):
+    """Two processes, GPT-2's own loss on dict batches, its tied embedding sharded at "parameters"."""
+    _, one = _train(spread.OneDeviceStrategy(), TokenBatches(10), _gpt2)
+    for rank, weights in enumerate(run_ranks(_process_worker, 2, args=(strategy_name,), timeout=180)):
+        _assert_same_weights(one, weights, f"{strategy_name} rank {rank}")
+
+
+@pytest.mark.processes
+def test_gpt2_on_dict_batches_under_sync_parameter_servers_equals_one_device():
+    _, one = _train(spread.OneDeviceStrategy(), TokenBatches(10), _gpt2)
+    results = run_ps_job(_ps_worker, 2, 1, timeout=240)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results if not r.ok)
+    for worker in (0, 1):
+        _assert_same_weights(one, results[worker].value, f"parameter-server worker {worker}")
+
+
+def _async_ps_worker() -> list[float]:
+    strategy = spread.ParameterServerStrategy()  # async: no equality to claim, each task steps alone
+    try:
+        with strategy.scope():
+            model = _gpt2()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = spread.Trainer(model, optimizer, None, strategy=strategy)
+        return trainer.fit(TokenBatches(32), epochs=3, global_batch_size=8, verbose=0).history["loss"]
+    finally:
+        strategy.close()
+
+
+@pytest.mark.processes
+def test_gpt2_on_dict_batches_trains_under_async_parameter_servers():
+    results = run_ps_job(_async_ps_worker, 2, 1, timeout=240)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results if not r.ok)
+    for worker in (0, 1):
+        losses = results[worker].value
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
 
 
 def test_a_dict_of_tensors_trains_like_a_dataset_of_dict_samples():

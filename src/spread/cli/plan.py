@@ -215,6 +215,7 @@ def _as_json(plan: Any) -> dict[str, Any]:
                 "samples_per_second": p.samples_per_second,
                 "scaling_efficiency": p.scaling_efficiency,
                 "memory_bytes": p.memory.total,
+                "activation_bytes": p.memory.activations,  # MemoryReport.activation_bytes, predicted
                 "fits": p.fits,
                 "note": p.note,
             }

@@ -7,7 +7,9 @@
   activations in backward instead of keeping them;
 * activation offload (:class:`OffloadActivations`, :func:`offload_module`): keep saved activations
   in host memory until backward;
-* :class:`SavedTensorBytes`: count the bytes saved for backward (a deterministic memory measure).
+* :class:`SavedTensorBytes`: count the bytes saved for backward (a deterministic memory measure);
+  :class:`ActivationMeter`: the peak of those bytes alive at once, per replica
+  (``Strategy.measure_activations``).
 """
 
 from spread.memory.accumulation import MicroBatch, micro_batches, no_sync_context, split_batch
@@ -19,10 +21,11 @@ from spread.memory.checkpointing import (
     is_checkpointed,
     remove_checkpointing,
 )
-from spread.memory.measure import SavedTensorBytes
+from spread.memory.measure import ActivationMeter, SavedTensorBytes
 from spread.memory.offload import OffloadActivations, offload_module, remove_offload
 
 __all__ = [
+    "ActivationMeter",
     "MicroBatch",
     "OffloadActivations",
     "SavedTensorBytes",

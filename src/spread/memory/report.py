@@ -1,4 +1,5 @@
-"""What a process holds of the model's training state, in bytes: parameters, gradients, optimizer state.
+"""What a process holds of the model's training state, in bytes: parameters, gradients, optimizer state,
+and (when measured) the activations a replica keeps for backward.
 
 Why: sharded data parallelism is chosen for memory, so its saving must be visible and checkable
 (``Strategy.memory_report``). Bytes are counted by storage, each storage once, so views into one
@@ -15,11 +16,14 @@ import torch
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes of model state held by this process when the report was taken."""
+    """Bytes of model state held by this process when the report was taken, and the activation bytes
+    of the last ``Strategy.measure_activations()`` window (None: never measured): the peak bytes one
+    replica kept saved for backward, what ``spread plan`` predicts as activations per device."""
 
     parameter_bytes: int
     gradient_bytes: int  # ``.grad`` tensors and the gradient exchange's own buffers
     optimizer_state_bytes: int
+    activation_bytes: int | None = None
 
     @property
     def model_state_bytes(self) -> int:

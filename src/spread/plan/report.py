@@ -21,7 +21,8 @@ def human_bytes(n: float) -> str:
 
 
 def table_rows(plan: Plan) -> list[list[str]]:
-    """One row per prediction: strategy, step time, throughput, efficiency, memory, fits, note."""
+    """One row per prediction: strategy, step time, throughput, efficiency, memory per device and the
+    activations in it (what ``Strategy.measure_activations`` measures per replica), fits, note."""
     rows = []
     for p in plan.predictions:
         mark = "*" if p is plan.recommended else ""
@@ -33,6 +34,7 @@ def table_rows(plan: Plan) -> list[list[str]]:
                 f"{p.samples_per_second:,.0f}",
                 f"{p.scaling_efficiency:.2f}",
                 human_bytes(p.memory.total),
+                human_bytes(p.memory.activations),
                 "yes" if p.fits else "NO",
                 p.note,
             ]
@@ -40,7 +42,17 @@ def table_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
-HEADERS = ["strategy", "devices", "step ms", "samples/s", "efficiency", "memory/device", "fits", "why"]
+HEADERS = [
+    "strategy",
+    "devices",
+    "step ms",
+    "samples/s",
+    "efficiency",
+    "memory/device",
+    "activations",
+    "fits",
+    "why",
+]
 
 
 def render(plan: Plan, profile: ModelProfile) -> str:

@@ -3,9 +3,10 @@
 The planner predicts from measurements, not from FLOP counts: a few real forward/backward passes at
 two batch sizes give a linear step-time model ``fixed + per_sample * batch`` per thread count; ``k``
 copies stepping at once give the slowdown ``k`` replicas inflict on each other beyond sharing the
-cores (memory bandwidth and caches, which matter on CPUs); saved-tensor hooks count the activation
-bytes autograd keeps; one optimizer step on a copy counts the optimizer's state. The user's model
-and optimizer are never touched (everything runs on deep copies).
+cores (memory bandwidth and caches, which matter on CPUs); :class:`~spread.memory.ActivationMeter`
+counts the activation bytes autograd keeps (as ``Strategy.measure_activations`` measures them); one
+optimizer step on a copy counts the optimizer's state. The user's model and optimizer are never
+touched (everything runs on deep copies).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.memory.measure import ActivationMeter
 from spread.plan._timing import interleaved_medians, same_optimizer, take
 from spread.plan.concurrency import measure_contention, measure_in_process, measure_optimizer_contention
 
@@ -155,25 +157,6 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-class _SavedBytes:
-    """Counts bytes autograd saves for backward, excluding the parameters themselves."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._params = {p.data_ptr() for p in model.parameters()}
-        self.bytes = 0
-        self._seen: set[int] = set()
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        ptr = tensor.data_ptr()
-        if ptr not in self._params and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def measure_model(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -217,7 +200,8 @@ def measure_model(
             p.grad = None
         loss_fn(work(x), y).backward()
 
-    counter = _SavedBytes(work)
+    # The meter Strategy.measure_activations uses: the figure predicted is the figure measured.
+    counter = ActivationMeter(exclude=work.buffers())
     arrivals: list[tuple[float, int]] = []
     hooks = [
         p.register_post_accumulate_grad_hook(
@@ -225,7 +209,7 @@ def measure_model(
         )
         for p in params
     ]
-    with counter.hooks():
+    with counter:
         x, y = take(inputs, batch), take(targets, batch)
         loss = loss_fn(work(x), y)
     started = time.perf_counter()
@@ -304,7 +288,7 @@ def measure_model(
         sparse_row_bytes=sparse_row_bytes,
         sparse_rows_per_sample=rows,
         optimizer_bytes=optimizer_bytes,
-        activation_bytes_per_sample=counter.bytes / batch,
+        activation_bytes_per_sample=counter.peak_bytes / batch,
         compute=compute,
         backward_fraction=backward_fraction,
         optimizer_seconds=optimizer_seconds,
@@ -386,15 +370,15 @@ def _layer_profiles(model: nn.Module, x: Any, forward_seconds: float) -> tuple[L
     out = []
     times = []
     for name, block in model.named_children():
-        counter = _SavedBytes(block)
-        with counter.hooks():
+        counter = ActivationMeter(exclude=block.buffers())
+        with counter:
             y = block(x)
         times.append(_block_seconds(block, x))
         out.append(
             (
                 name,
                 float(sum(p.numel() * p.element_size() for p in block.parameters())),
-                counter.bytes / batch,
+                counter.peak_bytes / batch,
                 _tensor_bytes(y) / batch,
             )
         )

@@ -25,6 +25,7 @@ from torch import nn
 
 from spread.data import DataChannel, DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
+from spread.memory.measure import ActivationMeter
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.context import (
@@ -148,6 +149,8 @@ class Strategy(abc.ABC):
         self._managed: dict[int, nn.Parameter] = {}
         self._managed_buffers: dict[int, torch.Tensor] = {}
         self._step_info: StepInfo | None = None
+        self._activation_bytes: int | None = None  # the last measure_activations() window's peak
+        self._measuring_activations = False
         self._closed = False
         # Process groups and threads this strategy starts: released by close(), or at exit without it.
         self._resources = ProcessResources(type(self).__name__)
@@ -490,14 +493,47 @@ class Strategy(abc.ABC):
     # -- memory ------------------------------------------------------------------------------------
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Bytes of model state this process holds now: managed parameters, their gradients and the
-        gradient exchange's buffers, and ``optimizer``'s state (each storage counted once)."""
+        gradient exchange's buffers, and ``optimizer``'s state (each storage counted once); with
+        ``activation_bytes`` from the last :meth:`measure_activations` window."""
         seen: set[int] = set()
         params = self.managed_parameters
         return MemoryReport(
             parameter_bytes=storage_bytes(params, seen),
             gradient_bytes=storage_bytes([*(p.grad for p in params), *self._exchange_buffers()], seen),
             optimizer_state_bytes=storage_bytes(optimizer_state_tensors(optimizer), seen),
+            activation_bytes=self._activation_bytes,
         )
+
+    @contextmanager
+    def measure_activations(self) -> Iterator[ActivationMeter]:
+        """Measure the activation bytes of the steps run inside: the most bytes one replica had saved
+        for backward at once (:class:`~spread.memory.ActivationMeter`; parameters and managed
+        buffers left out). On leaving, :meth:`memory_report` reports it as ``activation_bytes``
+        until the next measurement. Opt-in because it costs a small object per saved tensor; outside
+        it steps run untouched. Wrap the ``strategy.run`` calls (or ``Trainer.fit``) to measure::
+
+            with strategy.measure_activations() as meter:
+                strategy.run(train_step, args=(batch,))
+            strategy.memory_report(optimizer).activation_bytes   # meter.peak_by_group: per replica
+
+        Replica threads (MirroredStrategy) carry the hooks, each replica counted apart; a process
+        driving ``k`` replicas holds ``k`` such figures at once.
+        """
+        if get_replica_context() is not None:
+            raise SpreadError(
+                "measure_activations() was entered inside strategy.run; enter it around strategy.run, "
+                "so that every replica's thread carries it"
+            )
+        if self._measuring_activations:
+            raise SpreadError("measure_activations() is already active on this strategy; nest none")
+        meter = ActivationMeter(exclude=self._managed_buffers.values(), group=_replica_id)
+        self._measuring_activations = True
+        try:
+            with meter:
+                yield meter
+        finally:
+            self._measuring_activations = False
+        self._activation_bytes = meter.peak_bytes
 
     def _exchange_buffers(self) -> list[torch.Tensor]:
         """Buffers the gradient exchange keeps between steps (for :meth:`memory_report`)."""
@@ -617,3 +653,10 @@ def _unique(tensors: list) -> list:
     for t in tensors:
         seen.setdefault(id(t), t)
     return list(seen.values())
+
+
+def _replica_id() -> int | None:
+    """The replica computing on this thread (None outside ``strategy.run``): whom a saved tensor is
+    counted for by :meth:`Strategy.measure_activations`."""
+    context = get_replica_context()
+    return None if context is None else context.replica_id_in_sync_group

@@ -164,7 +164,8 @@ class ParameterServerStrategy(Strategy):
         self.placement = Placement({}, len(servers))
         self._variables: dict[str, nn.Parameter] = {}
         self._names: dict[int, str] = {}
-        self._embedding_modules: dict[int, nn.Module] = {}
+        self._embedding_modules: dict[int, nn.Module] = {}  # tables read and written by rows
+        self._dense_uses: set[int] = set()  # parameters a non-embedding module also holds (tied)
         self._hooks: list[Any] = []
         self._touched: dict[str, list[torch.Tensor]] = {}
         self._session = secrets.token_hex(4)
@@ -214,7 +215,16 @@ class ParameterServerStrategy(Strategy):
         return False
 
     def refresh_weights(self) -> None:
-        self.pull()
+        """Pull every variable, embedding tables whole: a task's copy of a table holds only the rows
+        its own batches looked up, as they were then (rows it never read keep their initial values)."""
+        self._pull_whole(list(self._variables))
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model with its embedding tables pulled whole first (dense variables came back with
+        this task's last push), so a checkpoint or the best weights hold the servers' values."""
+        if not self._closed:
+            self._pull_whole([n for n, p in self._variables.items() if id(p) in self._embedding_modules])
+        return model.state_dict()
 
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager
@@ -222,8 +232,12 @@ class ParameterServerStrategy(Strategy):
         """As :meth:`Strategy.scope`; embedding tables created inside are recognised for row access."""
 
         def on_param(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            if param is not None and name == "weight" and isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            if param is None:
+                return
+            if name == "weight" and isinstance(module, nn.Embedding | nn.EmbeddingBag):
                 self._embedding_modules[id(param)] = module
+            else:  # e.g. GPT-2's output layer tied to its token embedding: read whole, every step
+                self._dense_uses.add(id(param))
 
         handle = nn.modules.module.register_module_parameter_registration_hook(on_param)
         try:
@@ -234,11 +248,23 @@ class ParameterServerStrategy(Strategy):
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         for module in model.modules():
-            if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
+                self._dense_uses.update(id(p) for p in module.parameters(recurse=False))
+            elif id(module.weight) not in self._names:  # placed variables keep how they were placed
                 self._embedding_modules[id(module.weight)] = module
+        tied_late = [p for p in model.parameters() if id(p) in self._names and self._reads_rows_of_dense(p)]
+        if tied_late:
+            raise SpreadError(
+                f"{len(tied_late)} embedding table(s) of this model were placed on the servers as "
+                "row-read tables, but another layer now uses the same weight (tied weights) and reads "
+                "every row: tie the weights inside strategy.scope(), where the model is built"
+            )
         return super().prepare_model(model)
 
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        for param in params:  # a table another layer also uses whole is a dense variable
+            if id(param) in self._dense_uses:
+                self._embedding_modules.pop(id(param), None)
         infos = []
         for param in params:
             name = f"v{len(self._variables)}"
@@ -252,16 +278,20 @@ class ParameterServerStrategy(Strategy):
         if self.is_chief:
             config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
             self.client.create(new, {i.name: self._variables[i.name] for i in infos}, config)
-        self._pull_dense([i.name for i in infos if not i.sparse], wait=self.init_timeout)
+        self._pull_whole([i.name for i in infos if not i.sparse], wait=self.init_timeout)
         for info in infos:
             if info.sparse:
                 module = self._embedding_modules[id(self._variables[info.name])]
                 self._hooks.append(module.register_forward_pre_hook(self._pull_rows_hook))
 
+    def _reads_rows_of_dense(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` was placed as a row-read table yet a non-embedding layer uses it whole."""
+        return id(param) in self._embedding_modules and id(param) in self._dense_uses
+
     def _dense_names(self) -> list[str]:
         return [n for n, p in self._variables.items() if id(p) not in self._embedding_modules]
 
-    def _pull_dense(self, names: list[str], *, wait: float = 0.0) -> None:
+    def _pull_whole(self, names: list[str], *, wait: float = 0.0) -> None:
         if not names:
             return
         values = self.client.pull(self.placement, names, wait=wait)
@@ -274,7 +304,7 @@ class ParameterServerStrategy(Strategy):
 
     def pull(self) -> None:
         """Refresh this process's copy of every dense variable from the servers (e.g. before evaluating)."""
-        self._pull_dense(self._dense_names())
+        self._pull_whole(self._dense_names())
 
     def _pull_rows_hook(self, module: nn.Module, args: tuple) -> None:
         ids = args[0] if args else None

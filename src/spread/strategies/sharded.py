@@ -631,7 +631,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             seen,
         )
         state = storage_bytes(optimizer_state_tensors(optimizer), seen)
-        return MemoryReport(parameter_bytes=params, gradient_bytes=grads, optimizer_state_bytes=state)
+        return MemoryReport(
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=state,
+            activation_bytes=self._activation_bytes,
+        )
 
     def close(self) -> None:
         self._pre_step_hook.remove()

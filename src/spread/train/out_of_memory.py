@@ -42,6 +42,8 @@ def out_of_memory_error(
             f"{report.gradient_bytes / MB:,.0f} MB of gradients and exchange buffers and "
             f"{report.optimizer_state_bytes / MB:,.0f} MB of optimizer state in this process"
         )
+        if report.activation_bytes is not None:
+            held += f"; a replica's activations measured {report.activation_bytes / MB:,.0f} MB"
     except Exception:  # the report itself may not find the memory it needs
         held = f"{type(strategy).__name__} could not report what it holds"
     return TrainingOutOfMemoryError(

@@ -420,6 +420,7 @@ class Trainer:
             cbs.call("on_epoch_end", epoch, logs)
             if self.stop_training:
                 break
+        self.strategy.refresh_weights()  # parameter servers: the model leaves fit holding their values
         cbs.call("on_train_end", logs)
         return self.history
 
