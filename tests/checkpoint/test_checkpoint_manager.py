@@ -236,6 +236,27 @@ def test_sharded_state_in_one_process_and_a_flipped_shard_falls_back(tmp_path):
     assert step == 1 and torch.equal(state["shards"]["counter"], torch.tensor([0, 1]))
 
 
+def test_the_shards_to_read_can_follow_from_each_checkpoints_replicated_state(tmp_path):
+    """A callable ``shards_like`` sees each candidate's replicated state: a checkpoint says itself
+    what it holds per rank (or nothing: None), and a corrupt one still falls back."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"per_rank": torch.tensor(False)})
+    newest = manager.save(2, {"per_rank": torch.tensor(True)}, shards=_shards(0, 2))
+    seen = []
+
+    def like(state):
+        seen.append(bool(state["per_rank"]))
+        return _shards(0, 0) if state["per_rank"] else None
+
+    step, state = manager.load_latest(shards_like=like)
+    assert step == 2 and seen == [True]
+    assert torch.equal(state["shards"]["momentum"], _shards(0, 2)["momentum"])
+    _flip_byte(newest / "__0_0.distcp")
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        step, state = manager.load_latest(shards_like=like)
+    assert step == 1 and "shards" not in state and seen == [True, False]
+
+
 def test_a_checkpoint_without_shards_is_a_mismatch_when_shards_are_asked_for(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(1, _state(1))

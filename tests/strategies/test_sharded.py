@@ -282,7 +282,7 @@ def _every_stage_backup(root: str) -> dict:
 
 @pytest.mark.processes
 def test_backup_and_restore_resumes_exactly_at_every_stage(tmp_path):
-    """The backup holds the gathered one-device state; restoring cuts it back into shards."""
+    """Each rank backs up its own shards (through DCP) and restores them bit for bit."""
     per_rank = run_ranks(_every_stage_backup, WORLD, args=(str(tmp_path),), timeout=240)
     for rank, stages in enumerate(per_rank):
         for stage, result in stages.items():

@@ -1,8 +1,9 @@
 """A backup taken at one replica count resumes at another and ends where the uninterrupted run ends.
 
 Thread strategies in this process (Mirrored, CentralStorage: 2 -> 1, 3), MultiWorkerMirrored under
-``spread run`` (a 2-process job killed by SIGKILL, resumed at 1, 3 and 4 processes), and the
-refusals of strategies whose backups are per task.
+``spread run`` (a 2-process job killed by SIGKILL, resumed at 1, 3 and 4 processes), ShardedStrategy
+at each stage (its backup is every rank's own shard, resharded by DCP: 2 -> 3 and 1 processes), and
+the refusals of strategies whose backups are per task.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ backup_dir, crash_at, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if kind == "pipeline":  # 2 stages, as many pipeline replicas as pairs of processes
     world = int(os.environ["WORLD_SIZE"])
     strategy = spread.PipelineStrategy(stages=2, microbatches=2, replicas=world // 2)
-elif kind == "sharded":
-    strategy = spread.ShardedStrategy(shard="parameters")
+elif kind.startswith("sharded-"):  # each rank backs up its own shard; resharded at another size
+    strategy = spread.ShardedStrategy(shard=kind.removeprefix("sharded-"))
 else:
     strategy = spread.MultiWorkerMirroredStrategy()
 
@@ -154,7 +155,15 @@ def _spread_run(
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind,sizes", [("mwms", (1, 3, 4)), ("sharded", (3,))])
+@pytest.mark.parametrize(
+    "kind,sizes",
+    [
+        ("mwms", (1, 3, 4)),
+        ("sharded-optimizer", (3, 1)),
+        ("sharded-gradients", (3, 1)),
+        ("sharded-parameters", (3, 1)),
+    ],
+)
 def test_a_job_killed_at_2_processes_resumes_at_another_size(tmp_path, kind, sizes):
     code, log, reference = _spread_run(tmp_path, 2, tmp_path / "ref", crash_at=0, kind=kind)
     assert code == 0 and reference is not None, log[-3000:]

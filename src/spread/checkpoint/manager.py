@@ -19,13 +19,14 @@ import re
 import secrets
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from spread.checkpoint.atomic import crash_point, fsync_path, replace_pointer, verify, write_manifest
@@ -44,6 +45,8 @@ TRASH_PREFIX = ".trash-"  # a checkpoint being deleted: out of the ckpt-* namesp
 # than this process can read a checkpoint exhausts it.
 _RELISTS = 100
 _GONE = object()  # what was being read no longer exists under its name
+# What this rank reads back per rank: given, or worked out from the replicated state (None: nothing).
+ShardsLike = Mapping[str, torch.Tensor] | Callable[[dict[str, Any]], Mapping[str, torch.Tensor] | None]
 
 
 class CheckpointManager:
@@ -173,7 +176,7 @@ class CheckpointManager:
         map_location: str | torch.device | None = "cpu",
         *,
         like: Mapping[str, Any] | None = None,
-        shards_like: Mapping[str, torch.Tensor] | None = None,
+        shards_like: ShardsLike | None = None,
         step: int | None = None,
     ) -> tuple[int, dict] | None:
         """Return ``(step, state)`` of the newest valid checkpoint, or None when there is none.
@@ -188,7 +191,10 @@ class CheckpointManager:
         and nothing else may be there, or :class:`~spread.errors.CheckpointMismatchError` lists every
         difference (a mismatch is a configuration error, so there is no fallback to older ones).
         ``shards_like``: this rank's per-rank tensors to read back (see :meth:`save`); they are
-        returned as ``state["shards"]``. No collectives: every rank may load on its own.
+        returned as ``state["shards"]``. No collectives: every rank may load on its own. A callable
+        is given the checkpoint's replicated state and returns them (or None: nothing per rank),
+        so a checkpoint says itself which per-rank tensors it holds; a corrupt shard still falls
+        back to an older checkpoint.
         ``step``: only the checkpoint of that step (None when there is none).
         """
         corrupt: dict[str, tuple[int, int]] = {}  # name -> identity, of those warned about
@@ -226,7 +232,7 @@ class CheckpointManager:
         problems: list[str],
         map_location: str | torch.device | None,
         like: Mapping[str, Any] | None,
-        shards_like: Mapping[str, torch.Tensor] | None,
+        shards_like: ShardsLike | None,
     ) -> tuple[int, dict] | object | None:
         """The first of ``candidates`` (last first) that loads; None when all are corrupt (each
         warned about once, and recorded in ``corrupt`` and ``problems``); ``_GONE`` as soon as one
@@ -283,15 +289,16 @@ class CheckpointManager:
         path: Path,
         map_location: str | torch.device | None,
         like: Mapping[str, Any] | None,
-        shards_like: Mapping[str, torch.Tensor] | None,
+        shards_like: ShardsLike | None,
     ) -> tuple[int, dict]:
         manifest = verify(path)
         state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
         if like is not None:
             found = {k: state.get(k) for k in like}
             raise_if(tensor_mismatches(found, like), str(path), "given state")
-        if shards_like is not None:
-            state[SHARDS_KEY] = self._load_shards(path, shards_like, map_location)
+        wanted = shards_like(state) if callable(shards_like) else shards_like
+        if wanted is not None:
+            state[SHARDS_KEY] = self._load_shards(path, wanted, map_location)
         return int(manifest["step"]), state
 
     def _load_shards(
@@ -329,9 +336,12 @@ def _corruption(exc: BaseException) -> str | None:
 
 
 def _is_finite(state: Any) -> bool:
+    """Whether every floating-point tensor is finite; of a ``DTensor`` this rank's piece (the check
+    is local: the caller combines the ranks' answers)."""
+    leaves = (leaf.to_local() if isinstance(leaf, DTensor) else leaf for leaf in pytree.tree_leaves(state))
     return all(
         torch.isfinite(leaf).all()
-        for leaf in pytree.tree_leaves(state)
+        for leaf in leaves
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
     )
 

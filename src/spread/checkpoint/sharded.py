@@ -5,7 +5,10 @@ State that differs per rank (optimizer shards, a parameter server's or a pipelin
 goes through DCP: every rank writes its own ``__<rank>_0.distcp`` file in parallel and the
 coordinator writes one ``.metadata`` index, all inside the checkpoint's temporary directory, so the
 manifest, checksums, rename and ``latest`` pointer of :mod:`spread.checkpoint.atomic` cover them too.
-Each rank's tensors are stored under ``rank<NNNNN>/<key>``.
+Each rank's tensors are stored under ``rank<NNNNN>/<key>``; a rank's piece of a tensor split over the
+ranks (a ``DTensor``, e.g. ``Shard(0)`` of a flat parameter) is stored under ``global/<key>`` with its
+global offset, so that DCP reads, at any other world size, the ranges that overlap each rank's new piece
+(resharding). A rank reads only those ranges, never the whole tensor (unless it holds it whole).
 
 Trust boundary. DCP's stock ``FileSystemReader`` reads ``.metadata`` with plain ``pickle.load`` and
 turns non-tensor entries back into objects with ``torch.load(weights_only=False)``: whoever can write
@@ -37,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.tensor import DTensor
 
 from spread.checkpoint.compat import raise_if
 
@@ -83,6 +87,14 @@ def shard_key(rank: int, key: str) -> str:
     return f"rank{rank:05d}/{key}"
 
 
+GLOBAL_PREFIX = "global/"
+
+
+def _stored_key(rank: int, key: str, value: torch.Tensor) -> str:
+    """Where a value is stored: a piece of a split tensor under its global name, else per rank."""
+    return GLOBAL_PREFIX + key if isinstance(value, DTensor) else shard_key(rank, key)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata unpickled under :class:`RestrictedUnpickler` and checked."""
 
@@ -126,9 +138,11 @@ def _check_tensors(shards: Mapping[str, object]) -> None:
 
 
 def save_shards(directory: Path, rank: int, shards: Mapping[str, torch.Tensor]) -> None:
-    """Write this rank's tensors into ``directory`` with DCP; collective when a process group exists."""
+    """Write this rank's tensors into ``directory`` with DCP; collective when a process group exists.
+    A ``DTensor`` value is this rank's piece of a tensor split over the ranks: every rank must pass
+    one under that key, and each writes only its own piece."""
     _check_tensors(shards)
-    state = {shard_key(rank, k): v.detach() for k, v in shards.items()}
+    state = {_stored_key(rank, k, v): v.detach() for k, v in shards.items()}
     with _quiet_single_process():
         dcp.save(
             state,
@@ -140,17 +154,27 @@ def save_shards(directory: Path, rank: int, shards: Mapping[str, torch.Tensor]) 
 def load_shards(directory: Path, rank: int, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Read this rank's tensors (shaped like ``like``) from ``directory``; no collectives needed.
 
+    A ``DTensor`` in ``like`` asks for this rank's piece of a split tensor as its placement says now
+    (the world size may differ from the save's: DCP reads the overlapping saved ranges); its local
+    tensor is returned.
+
     Raises :class:`~spread.errors.CheckpointMismatchError` listing every missing, unexpected or
     differently shaped key, and :class:`UnsafeMetadataError` for metadata outside the trust boundary.
     """
     _check_tensors(like)
     reader = SafeFileSystemReader(str(directory))
     metadata = reader.read_metadata()
+    stored = {k: _stored_key(rank, k, v) for k, v in like.items()}
     prefix = shard_key(rank, "")
     saved = {
         fqn[len(prefix) :]: entry
         for fqn, entry in metadata.state_dict_metadata.items()
         if fqn.startswith(prefix)
+    }
+    saved |= {  # split tensors: every rank reads its piece of each
+        fqn[len(GLOBAL_PREFIX) :]: entry
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if fqn.startswith(GLOBAL_PREFIX)
     }
     problems = [f"missing shard {k!r} for rank {rank}" for k in like if k not in saved]
     problems += [f"unexpected shard {k!r} for rank {rank}" for k in saved if k not in like]
@@ -165,7 +189,24 @@ def load_shards(directory: Path, rank: int, like: Mapping[str, torch.Tensor]) ->
                 f"expected {tuple(want.shape)} {want.dtype}"
             )
     raise_if(sorted(problems), str(directory), "per-rank state")
-    state = {shard_key(rank, k): torch.empty_like(v, device="cpu") for k, v in like.items()}
+    state = {stored[k]: _empty_like(v) for k, v in like.items()}
     with _quiet_single_process():
         dcp.load(state, storage_reader=reader, no_dist=True)
-    return {k: state[shard_key(rank, k)] for k in like}
+    return {k: _local(state[stored[k]]) for k in like}
+
+
+def _empty_like(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return DTensor.from_local(
+            torch.empty_like(value.to_local()),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return torch.empty_like(value, device="cpu")
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value

@@ -5,7 +5,7 @@ is a process driving one or more replicas; code inside ``strategy.run`` is in *r
 the training loop around it in *cross-replica context*.
 """
 
-from spread.strategies.base import ChiefRestore, Strategy, TrainingProgram
+from spread.strategies.base import BackupState, ChiefRestore, Strategy, TrainingProgram
 from spread.strategies.central_storage import CentralStorageStrategy
 from spread.strategies.context import ReplicaContext, get_replica_context, get_strategy
 from spread.strategies.mirrored import MirroredStrategy
@@ -31,6 +31,7 @@ __all__ = [
     "ShardedStrategy",
     "Strategy",
     "TrainingProgram",
+    "BackupState",
     "ChiefRestore",
     "get_replica_context",
     "get_strategy",

@@ -85,6 +85,20 @@ class ChiefRestore:
     resume_step: int  # the global step this rank resumes after
 
 
+@dataclass(frozen=True)
+class BackupState:
+    """The model's and optimizer's part of a backup, as a strategy hands it to BackupAndRestore.
+
+    ``model`` and ``optimizer`` are written once, by the chief (replicated state). ``shards``, where
+    not None, is this rank's own part: every rank writes it in parallel through
+    ``torch.distributed.checkpoint`` (a collective save), and nothing is gathered to one rank.
+    """
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    shards: dict[str, torch.Tensor] | None = None
+
+
 def check_reduce_op(op: str) -> str:
     op = str(op).lower()
     if op not in REDUCE_OPS:
@@ -526,6 +540,37 @@ class Strategy(abc.ABC):
         return []
 
     # -- backups (BackupAndRestore) ----------------------------------------------------------------
+    def backup_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> BackupState:
+        """The model's and optimizer's part of a backup (collective where :attr:`state_is_collective`
+        or where it has ``shards``: every rank calls it). Default: the one-device state of
+        :meth:`model_state_dict` and :meth:`optimizer_state_dict`, no per-rank part."""
+        return BackupState(self.model_state_dict(model), self.optimizer_state_dict(optimizer))
+
+    def backup_shards_like(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor] | None:
+        """What this rank reads back of a backup's per-rank part, given the backup's replicated
+        state (``saved["model"]``, ``saved["optimizer"]``; a backup written by another world size
+        too): tensors shaped as wanted now (a ``DTensor`` for this rank's piece of a split tensor).
+        None: the backup has no per-rank part. Raises CheckpointMismatchError when it cannot fit.
+        Default: None (the backup holds the one-device state)."""
+        return None
+
+    def backup_model_like(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What a backup's replicated ``model`` part must match (names, shapes, dtypes) before it is
+        loaded. Default: :meth:`local_state_dict`; a strategy that saves parameters per rank leaves
+        them out."""
+        return self.local_state_dict(model)
+
+    def restore_backup_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: BackupState
+    ) -> None:
+        """Load what :meth:`backup_state` returned (``shards``: what :meth:`backup_shards_like` asked
+        for, read back). Collective like :meth:`load_model_state_dict`. Default: the one-device
+        state through :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict`."""
+        self.load_model_state_dict(model, state.model)
+        self.load_optimizer_state_dict(optimizer, state.optimizer)
+
     @property
     def restores_on_chief_only(self) -> bool:
         """Whether only the chief reads a backup and restores shared state, the other ranks learning

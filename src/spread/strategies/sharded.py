@@ -45,6 +45,9 @@ a layer's weight in its own forward, like a tied LM head, is right with the defa
 classes as units; with ``units="modules"`` it is not). Between forwards a released parameter reads
 as zeros of its shape (one element of memory; writing into it raises): use
 :meth:`ShardedStrategy.model_state_dict` or :meth:`ShardedStrategy.unsharded` to see the values.
+
+Backups (:meth:`ShardedStrategy.backup_state`) are per rank, through DCP, and never gathered; the
+one-device state for export is :meth:`ShardedStrategy.model_state_dict` (collective, gathered).
 """
 
 from __future__ import annotations
@@ -59,155 +62,24 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from spread.cluster import ClusterSpec
-from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, PendingCollective
-from spread.comm.sharding import ShardLayout
+from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
-from spread.errors import SpreadError
+from spread.errors import CheckpointMismatchError, SpreadError
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.strategies.base import BackupState
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
+from spread.strategies.sharded_block import ParameterBlock
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
 REDUCTIONS_IN_FLIGHT = 2  # gradient reductions a rank keeps open during backward
 Units = str | tuple[type[nn.Module], ...]  # "model", "modules", or module classes
-
-
-class _Block:
-    """Parameters sharded and exchanged together: one all-gather and one reduction each."""
-
-    def __init__(self, params: list[nn.Parameter], collectives: Collectives, shard: str) -> None:
-        self.params = params
-        self.collectives = collectives
-        self.shard = shard
-        self.layout = ShardLayout.of([p.shape for p in params], collectives.world_size, extra=len(params))
-        rank = collectives.rank
-        with torch.no_grad():
-            chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
-            self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
-        self.shards = [
-            nn.Parameter(self.flat_shard[off : off + c], requires_grad=p.requires_grad)
-            for p, off, c in zip(params, self.layout.offsets, self.layout.chunks, strict=True)
-        ]
-        self.trainable = sum(p.requires_grad for p in params)
-        self.grad_buffer: torch.Tensor | None = None  # "optimizer": the all-reduce's, kept
-        self.resident = True  # whether the model's parameters hold their full values
-        # The tensors holding the full values (their storage is released and regrown: autograd's
-        # saved views of a parameter keep that storage), and what a released parameter shows
-        # meanwhile: zeros of its shape in one element of memory (shapes and parameter counts stay
-        # right; reading freed memory would crash; writing into it raises).
-        self.full = [p.data for p in params]
-        self._stand_ins = [p.data.new_zeros(1).expand(p.shape) for p in params]
-        self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
-        self._gathering: tuple[PendingCollective, torch.Tensor] | None = None  # a prefetch in flight
-        self._reducing: tuple[PendingCollective, torch.Tensor] | None = None  # a reduction in flight
-
-    # -- parameters --------------------------------------------------------------------------------
-    def start_gather(self) -> None:
-        """Collective, asynchronous: start gathering every rank's chunks (a prefetch); a no-op when
-        the parameters are resident or a gather is in flight."""
-        if self.resident or self._gathering is not None:
-            return
-        layout = self.layout
-        gathered = self.flat_shard.new_empty(layout.world_size * layout.shard_numel)
-        pending = self.collectives.all_gather_into_async(
-            gathered, self.flat_shard, name="sharded.all_gather_parameters"
-        )
-        self._gathering = (pending, gathered)
-
-    def gather(self) -> None:
-        """Make the model's parameters hold their full values (the collective, unless a prefetch
-        started it already, then copy out)."""
-        if self.resident:
-            return
-        self.start_gather()
-        assert self._gathering is not None
-        pending, gathered = self._gathering
-        self._gathering = None
-        pending.wait()
-        with torch.no_grad():
-            for i, (p, full) in enumerate(zip(self.params, self.full, strict=True)):
-                storage = full.untyped_storage()
-                needed = int(full.storage_offset() + full.numel()) * full.element_size()
-                if storage.nbytes() < needed:
-                    storage.resize_(needed)
-                self.layout.unpack_into(gathered, i, full)
-                if p.data.untyped_storage().data_ptr() != storage.data_ptr():
-                    # Through .data: the parameter object and its autograd version counter stay,
-                    # so a backward that saved it in forward finds its values again.
-                    p.data = full
-        self.resident = True
-
-    def release(self) -> None:
-        """Free the full values' storage; the parameters read as zeros until :meth:`gather`.
-        A prefetch in flight is completed first (every rank issued it)."""
-        if self._gathering is not None:
-            self.gather()
-        for p, full, stand_in in zip(self.params, self.full, self._stand_ins, strict=True):
-            p.data = stand_in
-            full.untyped_storage().resize_(0)
-        self.resident = False
-
-    @property
-    def gathering(self) -> bool:
-        """Whether a prefetch of this block is in flight."""
-        return self._gathering is not None
-
-    def refresh_shards(self) -> None:
-        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load."""
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                self.shards[i].copy_(self.layout.chunk_of(i, p, self.collectives.rank))
-
-    # -- gradients ---------------------------------------------------------------------------------
-    def start_reduce(self, grad_scale: float) -> None:
-        """Collective, asynchronous: the model's ``.grad`` times ``grad_scale`` are packed and their
-        sum over ranks started (all-reduce at ``"optimizer"``, else reduce-scatter); the model's
-        ``.grad`` become ``None``. :meth:`finish_reduce` adds the result to the shards' ``.grad``."""
-        layout, world = self.layout, self.collectives.world_size
-        grads = [p.grad for p in self.params]
-        if any(g is not None and g.is_sparse for g in grads):
-            raise SpreadError("ShardedStrategy does not shard sparse gradients (nn.Embedding(sparse=True))")
-        if self.shard == "optimizer":
-            if self.grad_buffer is None:
-                self.grad_buffer = self.flat_shard.new_empty(world * layout.row_numel)
-            packed = self.grad_buffer
-        else:
-            packed = self.flat_shard.new_empty(world * layout.row_numel)
-        layout.pack(grads, packed, grad_scale)
-        rows = packed.view(world, layout.row_numel)
-        # A presence flag per parameter in every row: each rank learns which got a gradient anywhere.
-        rows[:, layout.shard_numel :] = torch.tensor([g is not None for g in grads], dtype=packed.dtype)
-        for p in self.params:
-            p.grad = None
-        if self.shard == "optimizer":
-            pending = self.collectives.all_reduce_async(packed, name="sharded.grad_all_reduce")
-            mine = rows[self.collectives.rank]
-        else:
-            mine = packed.new_empty(layout.row_numel)
-            pending = self.collectives.reduce_scatter_async(mine, packed, name="sharded.grad_reduce_scatter")
-        self._reducing = (pending, mine)
-
-    def finish_reduce(self) -> None:
-        if self._reducing is None:
-            return
-        pending, mine = self._reducing
-        self._reducing = None
-        pending.wait()
-        layout = self.layout
-        present = mine[layout.shard_numel :].tolist()
-        for i, shard in enumerate(self.shards):
-            if present[i] <= 0:
-                continue  # no rank produced a gradient for it: as on one device, it keeps none
-            off, c = layout.offsets[i], layout.chunks[i]
-            grad = mine[off : off + c]
-            if shard.grad is None:
-                shard.grad = grad.clone() if self.shard == "optimizer" else grad
-            else:
-                shard.grad.add_(grad)
 
 
 class ShardedStrategy(MultiWorkerMirroredStrategy):
@@ -271,11 +143,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             sync_batchnorm=sync_batchnorm,
         )
         self._resources.owner = f"ShardedStrategy rank {self.cluster.rank}"
-        self._blocks: list[_Block] = []  # in creation order; reduced in reverse
-        self._block_of: dict[int, tuple[_Block, int]] = {}  # id(model parameter) -> (block, index)
-        self._shard_to_block: dict[int, _Block] = {}  # id(shard parameter) -> its block
+        self._blocks: list[ParameterBlock] = []  # in creation order; reduced in reverse
+        self._block_of: dict[int, tuple[ParameterBlock, int]] = {}  # id(model parameter) -> (block, index)
+        self._shard_to_block: dict[int, ParameterBlock] = {}  # id(shard parameter) -> its block
         self._pending: list[nn.Parameter] = []  # adopted, not yet in a block
-        self._module_blocks: dict[nn.Module, list[_Block]] = {}
+        self._module_blocks: dict[nn.Module, list[ParameterBlock]] = {}
         self._handles: list[RemovableHandle] = []
         self._prepared: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._grad_scale = 1.0 / self.collectives.world_size
@@ -285,12 +157,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         # Blocks whose reduction is in flight, oldest first: each holds a packed full-size copy of
         # its gradients until finished, so at most REDUCTIONS_IN_FLIGHT stay open (all of them
         # open until the end of backward held the whole model's gradients once more).
-        self._reducing: deque[_Block] = deque()
+        self._reducing: deque[ParameterBlock] = deque()
         # "parameters": blocks in the order the first training forward used them, then which block
         # to prefetch after each one in forward and in backward (None until recorded).
-        self._forward_order: list[_Block] = []
-        self._next_in_forward: dict[int, _Block] | None = None
-        self._next_in_backward: dict[int, _Block] | None = None
+        self._forward_order: list[ParameterBlock] = []
+        self._next_in_forward: dict[int, ParameterBlock] | None = None
+        self._next_in_backward: dict[int, ParameterBlock] | None = None
         self._pre_step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     # -- variables ---------------------------------------------------------------------------------
@@ -312,9 +184,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             groups = _blocks_by_unit(pending, regions)
         else:
             groups = _blocks_by_size(pending, int(self.bucket_cap_mb * 2**20))
-        created: dict[int, _Block] = {}  # id(model parameter) -> its new block
+        created: dict[int, ParameterBlock] = {}  # id(model parameter) -> its new block
         for params in groups:
-            block = _Block(params, self.collectives, self.shard)
+            block = ParameterBlock(params, self.collectives, self.shard)
             self._blocks.append(block)
             for i, p in enumerate(params):
                 created[id(p)] = block
@@ -360,12 +232,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         for block in blocks:
             block.release()
 
-    def _gather_for_backward(self, blocks: Sequence[_Block]) -> None:
+    def _gather_for_backward(self, blocks: Sequence[ParameterBlock]) -> None:
         self._gather(blocks)
         if self._next_in_backward is not None and (ahead := self._next_in_backward.get(id(blocks[0]))):
             ahead.start_gather()  # prefetch the block backward reaches next
 
-    def _gather(self, blocks: Sequence[_Block]) -> None:
+    def _gather(self, blocks: Sequence[ParameterBlock]) -> None:
         for block in blocks:
             block.gather()
 
@@ -384,7 +256,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self._start_block(order[self._next_reduce])
             self._next_reduce += 1
 
-    def _start_block(self, block: _Block) -> None:
+    def _start_block(self, block: ParameterBlock) -> None:
         """A block's gradients are complete: start its reduction (it overlaps the rest of backward);
         at ``"parameters"`` its full parameters are not needed any more."""
         if self._sync and block.trainable:
@@ -490,7 +362,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._prepared.add(optimizer)
         return optimizer
 
-    def _chunk_state(self, block: _Block, i: int, key: str, value: Any) -> Any:
+    def _chunk_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
         if _is_per_element(key, value, block.layout.shapes[i]):
             return block.layout.chunk_of(i, value, self.collectives.rank)
         return value
@@ -589,7 +461,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             full[index] = {k: self._gather_state(block, i, k, v) for k, v in state.items()}
         return {"state": full, "param_groups": saved["param_groups"]}
 
-    def _gather_state(self, block: _Block, i: int, key: str, value: Any) -> Any:
+    def _gather_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
         if not _is_per_element(key, value, block.shards[i].shape):
             return value
         layout = block.layout
@@ -609,6 +481,132 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             i = _index_in(block, params[int(index)])
             mine[index] = {k: self._chunk_state(block, i, k, v) for k, v in entry.items()}
         optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
+
+    # -- backups written per rank ------------------------------------------------------------------
+    # Each parameter's (and per-element optimizer state's) chunk is this rank's piece of the flat
+    # one-device tensor, at offset rank * chunk: torch.chunk's split, which is DTensor's Shard(0)
+    # on a 1-D mesh. Saved as DTensors, DCP stores each piece with its offset and, at another world
+    # size, reads each rank the saved ranges overlapping its new piece: no rank holds more than its
+    # shard (plus one saved chunk's overlap) on the way in or out.
+    def _mesh(self) -> DeviceMesh:
+        group = self.collectives.group or torch.distributed.group.WORLD
+        assert group is not None, "ShardedStrategy runs inside a process group"
+        return DeviceMesh.from_group(group, self.collectives.device.type)
+
+    def _piece(self, block: ParameterBlock, i: int, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """This rank's ``chunk`` of tensor ``i`` (padding cut off) as its piece of the flat tensor."""
+        numel, c = block.layout.numel(i), block.layout.chunks[i]
+        local = chunk[: max(0, min(c, numel - self.collectives.rank * c))]
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+        )
+
+    def _managed_names(self, model: nn.Module) -> dict[str, tuple[ParameterBlock, int]]:
+        return {
+            name: self._block_of[id(p)] for name, p in model.named_parameters() if id(p) in self._block_of
+        }
+
+    def backup_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> BackupState:
+        """Collective: the chief's replicated part holds buffers, parameter shapes, the optimizer's
+        param groups and scalar state; every rank's ``shards`` hold its pieces of the parameters and
+        of their per-element optimizer state. Nothing is gathered."""
+        mesh = self._mesh()
+        managed = self._managed_names(model)
+        shards: dict[str, torch.Tensor] = {
+            f"model/{name}": self._piece(block, i, block.shards[i].detach(), mesh)
+            for name, (block, i) in managed.items()
+        }
+        model_part: dict[str, Any] = {
+            k: v.detach().clone()
+            for k, v in model.state_dict(keep_vars=True).items()
+            if id(v) not in self._block_of
+        }
+        params = self._optimizer_params(optimizer)
+        saved = optimizer.state_dict()
+        kept: dict[int, dict[str, Any]] = {}
+        per_rank: dict[int, list[str]] = {}
+        for index, entry in saved["state"].items():
+            block = self._shard_to_block.get(id(params[index]))
+            kept[index] = {}
+            for key, value in entry.items():
+                if block is not None and _is_per_element(key, value, params[index].shape):
+                    i = _index_in(block, params[index])
+                    shards[f"optimizer/{index}/{key}"] = self._piece(block, i, value, mesh)
+                    per_rank.setdefault(index, []).append(key)
+                else:
+                    kept[index][key] = value
+        optimizer_part = {
+            "state": kept,
+            "param_groups": saved["param_groups"],
+            "per_rank_state": per_rank,
+            "parameter_shapes": {name: list(block.layout.shapes[i]) for name, (block, i) in managed.items()},
+        }
+        return BackupState(model_part, optimizer_part, shards)
+
+    def backup_model_like(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in self._block_of}
+
+    def backup_shards_like(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor] | None:
+        optimizer_part = saved.get("optimizer") or {}
+        if "per_rank_state" not in optimizer_part:
+            return None  # a backup of the one-device state (an older spread): restored as such
+        managed = self._managed_names(model)
+        shapes = {name: list(block.layout.shapes[i]) for name, (block, i) in managed.items()}
+        saved_shapes = optimizer_part.get("parameter_shapes", {})
+        problems = [
+            f"parameter {name!r}: saved {tuple(saved_shapes[name])}, expected {tuple(shape)}"
+            for name, shape in shapes.items()
+            if name in saved_shapes and list(saved_shapes[name]) != shape
+        ]
+        params = self._optimizer_params(optimizer)
+        mesh = self._mesh()
+        like: dict[str, torch.Tensor] = {
+            f"model/{name}": self._piece(block, i, block.shards[i].detach(), mesh)
+            for name, (block, i) in managed.items()
+        }
+        for index, keys in optimizer_part["per_rank_state"].items():
+            block = self._shard_to_block.get(id(params[index])) if 0 <= index < len(params) else None
+            if block is None:
+                problems.append(f"optimizer state {index}: no sharded parameter has that index now")
+                continue
+            i = _index_in(block, params[index])
+            for key in keys:
+                like[f"optimizer/{index}/{key}"] = self._piece(block, i, block.shards[i].detach(), mesh)
+        if problems:
+            raise CheckpointMismatchError("the backup", "sharded parameters", problems)
+        return like
+
+    def restore_backup_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: BackupState
+    ) -> None:
+        """Collective at ``"optimizer"`` and ``"gradients"`` (the model's full parameters are
+        all-gathered from the restored shards); the rest is local."""
+        if state.shards is None:
+            super().restore_backup_state(model, optimizer, state)
+            return
+        model.load_state_dict(state.model, strict=False)  # buffers; backup_model_like checked them
+        managed = self._managed_names(model)
+        with torch.no_grad():
+            for name, (block, i) in managed.items():
+                _fill(block.shards[i], state.shards[f"model/{name}"])
+        params = self._optimizer_params(optimizer)
+        optimizer_state: dict[int, dict[str, Any]] = {}
+        for index, entry in state.optimizer["state"].items():
+            optimizer_state[index] = dict(entry)
+            for key in state.optimizer["per_rank_state"].get(index, []):
+                chunk = params[index].detach().new_zeros(params[index].shape)
+                _fill(chunk, state.shards[f"optimizer/{index}/{key}"])
+                optimizer_state[index][key] = chunk
+        optimizer.load_state_dict({"state": optimizer_state, "param_groups": state.optimizer["param_groups"]})
+        for block in {id(b): b for b, _ in managed.values()}.values():  # the same order on every rank
+            if self.shard == "parameters":
+                if block.resident:
+                    block.release()  # the next forward gathers the restored shards
+            else:
+                block.resident = False
+                block.gather()
 
     # -- memory ------------------------------------------------------------------------------------
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
@@ -651,7 +649,13 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
-def _index_in(block: _Block, shard: torch.Tensor) -> int:
+def _fill(chunk: torch.Tensor, piece: torch.Tensor) -> None:
+    """Write a restored piece into a (padded) chunk; the padding is zeros."""
+    chunk.zero_()
+    chunk[: piece.numel()].copy_(piece.reshape(-1))
+
+
+def _index_in(block: ParameterBlock, shard: torch.Tensor) -> int:
     return next(j for j, s in enumerate(block.shards) if s is shard)
 
 

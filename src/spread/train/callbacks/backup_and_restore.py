@@ -14,7 +14,8 @@ class; restoring into a model, optimizer or strategy that differs raises
 weight is overwritten (an exact resume is impossible across such a change). The replica count alone
 may change where the strategy says so
 (:meth:`~spread.strategies.Strategy.replica_count_change_refusal`): data-parallel backups hold the
-one-device state and count data in global batches, so a job backed up at 2 processes resumes at 1, 3
+one-device state (ShardedStrategy: every rank's piece of it, which DCP reshards) and count data in
+global batches, so a job backed up at 2 processes resumes at 1, 3
 or 4 and ends with the weights the 2-process run would have had (float tolerance: the sums are split
 differently). Random layers (dropout) draw from each rank's own stream, so they cannot repeat what
 ranks that no longer exist would have drawn; ranks beyond the saved count get a stream derived
@@ -25,14 +26,17 @@ Callbacks with state of their own (:class:`~spread.callbacks.EMA`) are part of t
 ``EMA#1`` for a second one): collected on every rank at each backup, restored on every rank that
 reads it.
 
-Every rank must use the callback (it gathers RNG states collectively); only the chief writes.
+Every rank must use the callback (it gathers RNG states collectively); only the chief writes,
+except a strategy's per-rank part (``BackupState.shards``), which every rank writes in parallel.
 Writes are atomic (``spread.checkpoint.CheckpointManager``); a corrupt newest backup is skipped with
 a warning in favour of the previous one.
 
 What differs between strategies is the strategy's own business, through the methods of
-:class:`~spread.strategies.Strategy` this callback calls: the state in the one-device layout
-(``model_state_dict``/``optimizer_state_dict``, collective where ``state_is_collective``: a
-pipeline's stages), every rank's RNG states (``gather_from_every_rank``), what the chief's backup
+:class:`~spread.strategies.Strategy` this callback calls: the model's and optimizer's state
+(``backup_state``/``restore_backup_state``: by default the one-device layout of
+``model_state_dict``/``optimizer_state_dict``, collective where ``state_is_collective``: a
+pipeline's stages; ShardedStrategy: each rank's shards, ``backup_shards_like`` saying what a rank
+reads back), every rank's RNG states (``gather_from_every_rank``), what the chief's backup
 holds besides (``backup_extras``/``restore_backup_extras``: parameter servers' shards and ledgers),
 ranks that learn where to resume from the chief instead of reading the backup
 (``restores_on_chief_only``/``wait_for_chief_restore``), ranks that save their own part of each
@@ -56,7 +60,9 @@ import torch
 
 from spread.checkpoint import CheckpointManager
 from spread.checkpoint.compat import field_mismatches, optimizer_mismatches, raise_if, tensor_mismatches
+from spread.checkpoint.manager import SHARDS_KEY
 from spread.errors import SpreadError
+from spread.strategies import BackupState
 from spread.train.callbacks._monitor import invalid
 from spread.train.callbacks.base import Callback, Logs
 from spread.train.preemption import PreemptionWatch, TrainingPreempted
@@ -107,15 +113,21 @@ class BackupAndRestore(Callback):
             self._resume_after_the_chief()
             return
         own_parts = strategy.ranks_with_own_backup()
-        found = self._load_for_every_task() if own_parts else self.manager.load_latest()
+        if own_parts:
+            found = self._load_for_every_task()
+        else:
+            found = self.manager.load_latest(shards_like=self._shards_like)
         if found is None:
             if trainer.is_chief:
                 strategy.restore_backup_extras(None, 0)
             return
         step, state = found
         self._check_compatible(state, step)
-        strategy.load_model_state_dict(trainer.model, state["model"])
-        strategy.load_optimizer_state_dict(trainer.optimizer, state["optimizer"])
+        strategy.restore_backup_state(
+            trainer.model,
+            trainer.optimizer,
+            BackupState(state["model"], state["optimizer"], state.get(SHARDS_KEY)),
+        )
         trainer.load_training_state(state.get("trainer") or {})
         trainer.global_step = int(state["global_step"])
         trainer.history.history = {k: list(v) for k, v in state["history"].items()}
@@ -130,6 +142,11 @@ class BackupAndRestore(Callback):
         if trainer.is_chief:
             strategy.restore_backup_extras(state.get("strategy"), trainer.global_step)
         self.restored_step = step
+
+    def _shards_like(self, saved: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """What this rank reads of a backup's per-rank part (read per candidate backup, so a
+        corrupt shard falls back to an older backup)."""
+        return self.trainer.strategy.backup_shards_like(self.trainer.model, self.trainer.optimizer, saved)
 
     def _resume_after_the_chief(self) -> None:
         """A rank that does not read the backup: wait for the chief's word (a backup restored, or a
@@ -211,10 +228,11 @@ class BackupAndRestore(Callback):
                 (self._task_manager(r).directory / f"ckpt-{step:010d}").is_dir()
                 for r in self.trainer.strategy.ranks_with_own_backup()
             ):
-                found = self.manager.load_latest(step=step)
+                found = self.manager.load_latest(step=step, shards_like=self._shards_like)
                 if found is not None:
                     return found
-        return self.manager.load_latest()  # no common step: resume anyway (tasks' RNG afresh)
+        # No common step: resume anyway (tasks' RNG afresh).
+        return self.manager.load_latest(shards_like=self._shards_like)
 
     def _config(self) -> dict[str, Any]:
         """What must be unchanged for an exact resume: the strategy, its replicas, the batch size."""
@@ -248,7 +266,10 @@ class BackupAndRestore(Callback):
                 self.resumed_from_replicas = int(saved_replicas)
             else:
                 problems[problems.index(replicas_line)] = f"{replicas_line} ({refusal})"
-        problems += tensor_mismatches(state["model"], trainer.strategy.local_state_dict(trainer.model))
+        strategy = trainer.strategy
+        # A backup with a per-rank part holds the rest of the model; one without, all of it.
+        model_like = strategy.backup_model_like if SHARDS_KEY in state else strategy.local_state_dict
+        problems += tensor_mismatches(state["model"], model_like(trainer.model))
         problems += optimizer_mismatches(
             state["optimizer"],
             trainer.optimizer,
@@ -301,13 +322,17 @@ class BackupAndRestore(Callback):
         strategy = trainer.strategy
         rng = _torch_rng_states().unsqueeze(0)
         all_rng = strategy.gather_from_every_rank(rng)
-        model_state = strategy.model_state_dict(trainer.model)  # collective where state_is_collective
-        optimizer_state = strategy.optimizer_state_dict(trainer.optimizer)
+        backup = strategy.backup_state(trainer.model, trainer.optimizer)  # collective where it must be
         callback_states = self._callback_states()  # may be collective too
         failure: BaseException | None = None
-        if trainer.is_chief:
+        if backup.shards is not None:
+            # Every rank writes its part, the chief adds the replicated one: a collective save, so
+            # a rank that fails makes DCP raise on every rank, and a chief that fails to commit
+            # leaves the others at the commit barrier until its timeout names it.
+            self._write(all_rng, backup, callback_states)
+        elif trainer.is_chief:
             try:
-                self._write(all_rng, model_state, optimizer_state, callback_states)
+                self._write(all_rng, backup, callback_states)
             except Exception as exc:  # reported to the other ranks below, then re-raised
                 failure = exc
         elif strategy.rank in strategy.ranks_with_own_backup():  # its own part, beside the chief's
@@ -350,18 +375,17 @@ class BackupAndRestore(Callback):
             },
         }
 
-    def _write(
-        self,
-        all_rng: torch.Tensor,
-        model_state: dict[str, Any],
-        optimizer_state: dict[str, Any],
-        callback_states: dict[str, Any],
-    ) -> None:
+    def _write(self, all_rng: torch.Tensor, backup: BackupState, callback_states: dict[str, Any]) -> None:
+        """The chief writes the backup; with a per-rank part every rank calls this (a collective
+        save: each rank's shards, the chief's replicated state, one commit)."""
         trainer = self.trainer
+        if backup.shards is not None and not trainer.is_chief:
+            self.manager.save(trainer.global_step, {}, shards=backup.shards)
+            return
         state: dict[str, Any] = {
             "config": self._config(),
-            "model": model_state,
-            "optimizer": optimizer_state,
+            "model": backup.model,
+            "optimizer": backup.optimizer,
             **self._common_state(all_rng),
         }
         if callback_states:
@@ -369,7 +393,10 @@ class BackupAndRestore(Callback):
         extras = trainer.strategy.backup_extras(trainer.global_step)
         if extras:
             state["strategy"] = extras
-        self.manager.save(trainer.global_step, state)
+        if backup.shards is None:
+            self.manager.save(trainer.global_step, state)
+        else:
+            self.manager.save(trainer.global_step, state, shards=backup.shards)
 
 
 def _torch_rng_states() -> torch.Tensor:
