@@ -121,6 +121,7 @@ def _profile_from_json(data: dict) -> ModelProfile:
     data["compute"] = {int(k): tuple(v) for k, v in data["compute"].items()}
     for table in ("contention", "optimizer_by_threads", "optimizer_contention", "in_process"):
         data[table] = {int(k): float(v) for k, v in data.get(table, {}).items()}
+    data["split_backward"] = {int(k): float(v) for k, v in data.get("split_backward", {}).items()}
     data["compute_curve"] = {
         int(k): tuple((float(b), float(t)) for b, t in points)
         for k, points in data.get("compute_curve", {}).items()

@@ -15,7 +15,7 @@ from spread.plan.calibration import (
     save_profile,
 )
 from spread.plan.cluster import ClusterModel
-from spread.plan.costs import Link, allreduce_time
+from spread.plan.costs import Link, allreduce_time, shard_collective_time
 
 
 def _profile() -> CalibrationProfile:
@@ -83,6 +83,14 @@ def test_fit_recovers_the_link_that_made_the_samples(algorithm):
     assert fitted.beta == pytest.approx(truth.beta, rel=1e-6)
 
 
+def test_the_shard_link_is_fitted_with_reduce_scatter_terms():
+    """ShardedStrategy's collectives: n - 1 messages of 1/n of the buffer (not an all-reduce's 2x)."""
+    truth = Link(alpha=2e-4, beta=1e9)
+    samples = [(s, shard_collective_time(s, n, truth), n) for s in (4e3, 1e6, 1.6e7) for n in (2, 4)]
+    fitted = fit_link("shard", samples)
+    assert (fitted.alpha, fitted.beta) == (pytest.approx(truth.alpha), pytest.approx(truth.beta))
+
+
 def test_fit_needs_two_samples():
     with pytest.raises(CalibrationError, match="at least two"):
         fit_link("ring", [(1e6, 0.01, 2)])
@@ -91,7 +99,11 @@ def test_fit_needs_two_samples():
 @pytest.mark.processes
 def test_quick_calibration_measures_every_algorithm(tmp_path):
     profile = calibrate(tmp_path / "cal.json", quick=True)
-    assert {"native", "ring", "shm", "reduce_to_one", "hierarchical", "memory", "ps"} <= set(profile.links)
-    assert all(len(samples) == 3 for samples in profile.samples.values())
+    assert {"native", "ring", "shm", "reduce_to_one", "hierarchical", "memory", "ps", "shard"} <= set(
+        profile.links
+    )
+    # one sample per size; the shard link two (a reduce-scatter and an all-gather)
+    assert {len(samples) for name, samples in profile.samples.items() if name != "shard"} == {3}
+    assert len(profile.samples["shard"]) == 6
     assert profile.matmul_flops > 0 and 0.0 <= profile.overlap <= 1.0
     assert load_profile(tmp_path / "cal.json") == profile

@@ -327,6 +327,57 @@ def test_sharded_by_hand():
     assert (optimizer.memory.gradients, optimizer.memory.buffers) == (5 * MB, 10 * MB)  # + all-reduce buffer
 
 
+def test_sharded_collectives_run_on_their_own_calibrated_link():
+    """gloo's reduce-scatter and all-gather are not its all-reduce: a measured "shard" link is used
+    (here half the all-reduce's bandwidth: twice the traffic time); without one, the all-reduce's."""
+    options = Options(global_batch=100)
+    candidate = Candidate("sharded", 2, (("shard", "parameters"),))
+    intra = {**_cluster().intra, "shard": Link(0.0, 0.5e8)}
+    p = predict(candidate, _profile(), _cluster(intra=intra), options)
+    assert p.parts["communication"] == pytest.approx(12 * 0.025)
+    assert _cluster().shard_link() == _cluster().intra["native"]
+
+
+def test_collectives_are_time_sliced_with_more_processes_than_cores():
+    """4 processes on 2 cores: gloo's exchange is CPU work and waits for a core like compute does."""
+    c = Candidate("multi_worker_mirrored", 4, (("communication", "shm"),))
+    two_cores = predict(c, _profile(), _cluster(devices_per_node=4), Options(global_batch=100))
+    four_cores = predict(
+        c, _profile(), _cluster(devices_per_node=4, cores_per_node=4), Options(global_batch=100)
+    )
+    assert two_cores.parts["communication"] == pytest.approx(2 * four_cores.parts["communication"])
+    s = Candidate("sharded", 4, (("shard", "parameters"),))
+    two = predict(s, _profile(), _cluster(devices_per_node=4), Options(global_batch=100))
+    four = predict(s, _profile(), _cluster(devices_per_node=4, cores_per_node=4), Options(global_batch=100))
+    assert two.parts["communication"] == pytest.approx(2 * four.parts["communication"])
+
+
+def test_zero_bubble_pays_its_measured_split_backward():
+    """A zero-bubble stage runs an input pass and a weight pass per module: the profile's measured
+    slowdown at the nearest micro-batch size scales its compute; 1F1B does not pay it."""
+    profile = _profile(split_backward={4: 1.5, 25: 1.2})
+    options = Options(global_batch=100)
+    settings = (("stages", 2), ("microbatches", 4))
+    zb = predict(Candidate("pipeline", 2, (*settings, ("schedule", "zb"))), profile, _cluster(), options)
+    plain = predict(
+        Candidate("pipeline", 2, (*settings, ("schedule", "zb"))), _profile(), _cluster(), options
+    )
+    one_f = predict(Candidate("pipeline", 2, (*settings, ("schedule", "1f1b"))), profile, _cluster(), options)
+    assert zb.parts["compute"] == pytest.approx(1.2 * plain.parts["compute"])  # micro-batch of 25
+    assert one_f.parts["compute"] == pytest.approx(plain.parts["compute"])
+    assert profile.split_backward_factor(3.0) == 1.5 and _profile().split_backward_factor(25) == 1.0
+
+
+def test_the_profile_measures_the_split_backward_of_a_chain():
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), x, y, threads=[1], repeats=1)
+    assert set(profile.split_backward) == {4, 16}  # the compute curve's small sizes
+    assert all(f >= 1.0 for f in profile.split_backward.values())
+    unchained = measure_model(nn.Linear(8, 4), nn.CrossEntropyLoss(), x, y, threads=[1], repeats=1)
+    assert unchained.split_backward == {}
+
+
 def test_sharded_memory_terms_are_what_memory_report_measured_on_w2():
     # benchmarks/sharded_memory.py 2 and 4 (docs/architecture.md): W2, AdamW, model-state bytes of
     # rank 0 after one step. P = 21,157,888 parameter bytes, AdamW state 2P.

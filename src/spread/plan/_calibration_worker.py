@@ -1,7 +1,8 @@
 """One rank of the calibration job (``python -m spread.plan._calibration_worker``, under the launcher).
 
 Times every all-reduce algorithm on fp32 buffers of the given sizes (allocated and touched once,
-reused), times one push per size on the parameter servers' transport (rank 0 to a server on rank
+reused), and the reduce-scatter and all-gather ShardedStrategy runs (fitted as the ``"shard"``
+link), times one push per size on the parameter servers' transport (rank 0 to a server on rank
 1), then measures how much of the gradient exchange the real strategy hides behind backward:
 an MLP step with the exchange (``t_sync``) and without it (``no_sync``: ``t_local``), and the bare
 all-reduce of its gradients (``t_comm``); the overlap is the ``eta`` for which
@@ -73,6 +74,26 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> float:
         else:
             hi = mid
     return round((lo + hi) / 2, 3)
+
+
+def _shard_collective_samples(
+    strategy: MultiWorkerMirroredStrategy, sizes: list[int], reps: int
+) -> list[list[float]]:
+    """Reduce-scatter and all-gather of whole buffers of ``sizes`` bytes, as ShardedStrategy runs
+    them (torch.distributed's flat collectives through spread's ``Collectives``): one sample each."""
+    collectives, n = strategy.collectives, strategy.num_replicas_in_sync
+    samples = []
+    for nbytes in sizes:
+        whole = torch.ones(max(nbytes // 4 // n, 1) * n)
+        part = torch.empty(whole.numel() // n)
+        reps_here = reps if nbytes < 16 << 20 else max(3, reps // 2)
+        for op in (
+            lambda w=whole, p=part: collectives.reduce_scatter(p, w, name="calibration.reduce_scatter"),
+            lambda w=whole, p=part: collectives.all_gather_into(w, p, name="calibration.all_gather"),
+        ):
+            seconds = _median_seconds(op, reps_here, collectives.barrier)
+            samples.append([float(whole.numel() * 4), seconds, float(n)])
+    return samples
 
 
 def _local_address_towards(host: str) -> str:
@@ -154,8 +175,9 @@ def main() -> None:
                     samples.setdefault(name, []).append([float(nbytes), seconds, float(n)])
             finally:
                 algorithm.close()
-        overlap = _overlap(strategy, args.reps)
         sizes = [int(s) for s in args.sizes.split(",")]
+        samples["shard"] = _shard_collective_samples(strategy, sizes, args.reps)
+        overlap = _overlap(strategy, args.reps)
         ps_samples = _ps_transport_samples(strategy, sizes, args.reps) if n >= 2 else []
         if strategy.is_chief:
             tmp = f"{args.output}.tmp"

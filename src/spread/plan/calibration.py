@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spread.plan.costs import Link, allreduce_terms
+from spread.plan.costs import Link, allreduce_terms, shard_collective_terms
 
 SCHEMA_VERSION = 1
 
@@ -153,6 +153,8 @@ def fit_link(algorithm: str, samples: list[tuple[float, float, int]]) -> Link:
     for nbytes, seconds, ranks in samples:
         if algorithm == "ps":  # one push or pull: a single message each way
             g, f = 1.0, 1.0
+        elif algorithm == "shard":  # a reduce-scatter or all-gather of the whole buffer
+            g, f = shard_collective_terms(int(ranks))
         else:
             g, f = allreduce_terms("native" if algorithm == "hierarchical" else algorithm, int(ranks))
         if (g or f) and seconds > 0:  # weighted by 1/seconds: relative error, so small sizes count

@@ -80,6 +80,13 @@ class ClusterModel:
             return self.intra[algorithm]
         return self.inter_by_algorithm.get(algorithm, self.inter)
 
+    def shard_link(self) -> Link:
+        """The link ShardedStrategy's reduce-scatters and all-gathers run on: their own calibrated
+        fit where measured (gloo's differ from its all-reduce's), else the all-reduce's."""
+        if self.nodes == 1:
+            return self.intra.get("shard", self.intra["native"])
+        return self.inter_by_algorithm.get("shard", self.inter)
+
     @classmethod
     def from_profile(
         cls,

@@ -66,12 +66,19 @@ def allreduce_time(algorithm: str, nbytes: float, n: int, link: Link) -> float:
     return g * link.alpha + f * nbytes / link.beta
 
 
+def shard_collective_terms(n: int) -> tuple[float, float]:
+    """``(g, f)`` of one reduce-scatter or all-gather over ``n`` ranks: a ring's half of an
+    all-reduce, ``n - 1`` messages of ``1/n`` of the bytes."""
+    return (float(n - 1), (n - 1) / n) if n > 1 else (0.0, 0.0)
+
+
 def shard_collective_time(nbytes: float, n: int, link: Link) -> float:
     """One reduce-scatter or all-gather of a ``nbytes`` buffer (the whole, before splitting) over
-    ``n`` ranks: a ring's half of an all-reduce, ``n - 1`` messages of ``1/n`` of the bytes."""
+    ``n`` ranks on ``link`` (the calibration's ``"shard"`` fit where measured)."""
     if nbytes <= 0 or n <= 1:
         return 0.0
-    return (n - 1) * link.alpha + (n - 1) / n * nbytes / link.beta
+    g, f = shard_collective_terms(n)
+    return g * link.alpha + f * nbytes / link.beta
 
 
 def hierarchical_allreduce_time(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:

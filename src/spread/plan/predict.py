@@ -243,7 +243,8 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     else:
         algorithm = c.get("communication", "native")
         sizes = bucket_sizes(grad_bytes, o.bucket_bytes)
-        buckets = [_allreduce(cl, algorithm, b, n) for b in sizes]
+        sliced = _core_share(cl, per_node, None)[1]  # the exchange is CPU work too: time-sliced alike
+        buckets = [_allreduce(cl, algorithm, b, n) * sliced for b in sizes]
         comm_total = sum(buckets)
         ready = bucket_ready_fractions(sizes, p.gradient_arrival)
         exposed = exposed_communication(backward, buckets, cl.overlap, ready)
@@ -276,17 +277,18 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node)
     backward = compute / o.accumulation_steps * p.backward_fraction
     units = [layer.param_bytes for layer in p.layers if layer.param_bytes > 0] or [p.param_bytes]
-    link = cl.link("native")
+    link = cl.shard_link()
+    sliced = _core_share(cl, per_node, None)[1]  # collectives are CPU work too: time-sliced alike
     if shard == "optimizer":
-        reductions = [allreduce_time("native", u, n, link) for u in units]
+        reductions = [allreduce_time("native", u, n, cl.link("native")) * sliced for u in units]
     else:
-        reductions = [shard_collective_time(u, n, link) for u in units]
+        reductions = [shard_collective_time(u, n, link) * sliced for u in units]
     ready = bucket_ready_fractions(units, p.gradient_arrival)
     exposed_reduce = exposed_communication(backward, reductions, cl.overlap, ready)
-    gather_once = sum(shard_collective_time(u, n, link) for u in units)
+    gather_once = sum(shard_collective_time(u, n, link) for u in units) * sliced
     if shard == "parameters":
         gathers = 2 * gather_once * o.accumulation_steps
-        first = shard_collective_time(units[0], n, link)
+        first = shard_collective_time(units[0], n, link) * sliced
         exposed_gather = max(first, gathers - cl.overlap * compute)
     else:
         gathers = exposed_gather = gather_once
@@ -428,9 +430,11 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     on_node = min(c.devices, cl.devices_per_node)
     busy = on_node / stages * sum(s / share for s in shares) if share > 0 else float(on_node)
     stage_compute = _compute(p, cl, per_replica / micro, on_node, 1, busy=busy) * share
+    schedule = c.get("schedule", "1f1b")
+    if schedule == "zb":  # its backward runs as an input pass and a weight pass per module
+        stage_compute *= p.split_backward_factor(per_replica / micro)
     boundary = max((p.layers[g[-1]].output_bytes_per_sample for g in groups[:-1]), default=0.0)
     link = cl.link("native")
-    schedule = c.get("schedule", "1f1b")
     step = pipeline_step_time(stage_compute, stages, micro, boundary * per_replica / micro, link, schedule)
     step *= o.accumulation_steps
     stage_params = max(sum(p.layers[i].param_bytes for i in g) for g in groups)

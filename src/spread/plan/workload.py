@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -67,6 +68,10 @@ class ModelProfile:
     # threads -> measured (batch, seconds) points of forward+backward, smallest batch first: small
     # batches (pipeline micro-batches) cost more per sample than the straight line ``compute`` says
     compute_curve: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # micro-batch samples -> how much slower a zero-bubble stage's split backward (input pass, then
+    # one weight pass per module: spread.pipeline.split_backward) makes forward+backward than one
+    # ordinary backward, measured on the blocks after the first (what a later stage runs)
+    split_backward: dict[int, float] = field(default_factory=dict)
 
     def contention_factor(self, replicas: int) -> float:
         """How much slower each of ``replicas`` concurrent replicas computes than one alone would.
@@ -113,6 +118,14 @@ class ModelProfile:
             return _on_curve(curve, batch)
         fixed, per_sample = self.compute[threads]
         return fixed + per_sample * batch
+
+    def split_backward_factor(self, batch: float) -> float:
+        """Forward+backward time with zero-bubble's split backward over the ordinary one, at a
+        micro-batch of ``batch`` samples (the nearest measured size; 1.0 when none was measured)."""
+        if not self.split_backward:
+            return 1.0
+        nearest = min(self.split_backward, key=lambda n: abs(math.log(max(batch, 1e-9) / n)))
+        return self.split_backward[nearest]
 
     def checkpointed_activation_bytes_per_sample(self) -> float:
         """Activations with each block checkpointed: block outputs kept, one block's inside at a time."""
@@ -247,6 +260,11 @@ def measure_model(
         if opt is not None:  # each process steps its optimizer at its own share of the cores
             calls[("optimizer", t)] = opt.step
     calls[("forward", most)] = forward_only
+    split_sizes = sorted({max(1, batch // 16), small})
+    split_steps = _split_backward_steps(work, loss_fn, inputs, targets, split_sizes)
+    for n, (plain, split) in split_steps.items():
+        calls[("plain_later_blocks", most, n)] = plain
+        calls[("split_later_blocks", most, n)] = split
     try:
         step(batch)  # gradients for the optimizer's first (warm-up) step
         medians = interleaved_medians(calls, repeats, before=lambda key: torch.set_num_threads(key[1]))
@@ -279,6 +297,10 @@ def measure_model(
             optimizer_seconds = optimizer_by_threads[max(optimizer_by_threads)]
             optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
         layers = _layer_profiles(work, x, forward)
+        split_backward = {
+            n: max(1.0, medians[("split_later_blocks", most, n)] / medians[("plain_later_blocks", most, n)])
+            for n in split_steps
+        }
     finally:
         torch.set_num_threads(previous_threads)
     profile = ModelProfile(
@@ -297,6 +319,7 @@ def measure_model(
         gradient_arrival=gradient_arrival,
         optimizer_by_threads=optimizer_by_threads,
         compute_curve={t: c for t, c in curves.items() if len(c) >= 2},
+        split_backward=split_backward,
     )
     counts = sorted({int(k) for k in concurrency if 2 <= k <= batch})
     if not counts:
@@ -318,6 +341,46 @@ def measure_model(
         measure_optimizer_contention(profile, work, optimizer, *batch_args, k, cores, repeats) for k in counts
     ]
     return replace(profile, optimizer_contention=dict(zip(counts, slowdowns, strict=True)))
+
+
+def _split_backward_steps(
+    model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any, sizes: list[int]
+) -> dict[int, tuple[Callable[[], None], Callable[[], None]]]:
+    """Per micro-batch size, ``(ordinary, split)`` forward+backward of the blocks after the first of
+    a chain, on the first block's output (what a later pipeline stage receives: a float tensor that
+    wants its gradient). Empty when the model is not a chain of at least 2 blocks taking a tensor."""
+    from spread.pipeline.split_backward import SplitBackward
+
+    if not isinstance(model, nn.Sequential) or len(model) < 2 or not isinstance(inputs, torch.Tensor):
+        return {}
+    rest = model[1:]
+    with torch.no_grad():
+        first = model[0](take(inputs, max(sizes)))
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+        return {}
+    splitter = SplitBackward(rest)
+    params = [p for p in rest.parameters() if p.requires_grad]
+    steps = {}
+    for n in sizes:
+        x, y = first[:n].detach().requires_grad_(True), take(targets, n)
+
+        def plain(x=x, y=y) -> None:
+            for p in params:
+                p.grad = None
+            x.grad = None
+            loss_fn(rest(x), y).backward()
+
+        def split(x=x, y=y) -> None:
+            for p in params:
+                p.grad = None
+            x.grad = None
+            with splitter.forward() as graph:
+                loss = loss_fn(rest(x), y)
+            splitter.backward_input(graph, loss, None, x)
+            splitter.backward_weight(graph)
+
+        steps[n] = (plain, split)
+    return steps
 
 
 def _arrival_curve(
