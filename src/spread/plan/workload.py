@@ -360,7 +360,7 @@ def _split_backward_steps(
         return {}
     splitter = SplitBackward(rest)
     params = [p for p in rest.parameters() if p.requires_grad]
-    steps = {}
+    steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
     for n in sizes:
         x, y = first[:n].detach().requires_grad_(True), take(targets, n)
 
