@@ -27,6 +27,7 @@ def _profile() -> CalibrationProfile:
         matmul_flops=5e10,
         links={"native": Link(6e-4, 8e8), "shm": Link(2e-5, 8e9)},
         overlap=0.25,
+        collective_in_step=1.8,
         samples={"native": [[4096.0, 0.0012, 2.0]]},
     )
 
@@ -40,7 +41,7 @@ def test_round_trip(tmp_path):
 def test_cluster_from_profile_uses_its_links_and_cores():
     cluster = ClusterModel.from_profile(_profile(), nodes=2, devices_per_node=4)
     assert cluster.intra["shm"] == Link(2e-5, 8e9)
-    assert cluster.cores_per_node == 4 and cluster.overlap == 0.25
+    assert cluster.cores_per_node == 4 and cluster.overlap == 0.25 and cluster.collective_in_step == 1.8
     assert cluster.link("native") == cluster.inter  # more than one node: the network
 
 
@@ -51,6 +52,8 @@ def test_cluster_from_profile_uses_its_links_and_cores():
         ({"devices": 0}, "'devices'"),
         ({"matmul_flops": "fast"}, "'matmul_flops'"),
         ({"overlap": 1.5}, "'overlap'"),
+        ({"collective_in_step": 0.5}, "'collective_in_step'"),
+        ({"collective_in_step": "x"}, "'collective_in_step'"),
         ({"links": {}}, "'links'"),
         ({"links": {"native": {"alpha": 1}}}, "link 'native'"),
     ],
@@ -62,6 +65,13 @@ def test_malformed_profiles_name_the_field(tmp_path, change, message):
     with pytest.raises(CalibrationError, match=message) as info:
         load_profile(path)
     assert str(path) in str(info.value)
+
+
+def test_a_profile_from_before_the_in_step_factor_loads_as_one(tmp_path):
+    data = _profile().to_json()
+    del data["collective_in_step"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_profile(tmp_path / "old.json").collective_in_step == 1.0
 
 
 def test_missing_and_non_json_files(tmp_path):

@@ -352,6 +352,19 @@ def test_collectives_are_time_sliced_with_more_processes_than_cores():
     assert two.parts["communication"] == pytest.approx(2 * four.parts["communication"])
 
 
+def test_the_exchange_costs_what_the_calibration_measured_inside_a_step():
+    """The calibration found the exchange of a real step slower than the same all-reduce alone
+    (collective_in_step): data parallelism's and sharding's collectives are charged that much."""
+    options = Options(global_batch=100)
+    for c in (
+        Candidate("multi_worker_mirrored", 2, (("communication", "shm"),)),
+        Candidate("sharded", 2, (("shard", "parameters"),)),
+    ):
+        alone = predict(c, _profile(), _cluster(), options)
+        in_step = predict(c, _profile(), _cluster(collective_in_step=2.0), options)
+        assert in_step.parts["communication"] == pytest.approx(2 * alone.parts["communication"])
+
+
 def test_zero_bubble_pays_its_measured_split_backward():
     """A zero-bubble stage runs an input pass and a weight pass per module: the profile's measured
     slowdown at the nearest micro-batch size scales its compute; 1F1B does not pay it."""

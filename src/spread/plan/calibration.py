@@ -43,6 +43,9 @@ class CalibrationProfile:
     matmul_flops: float
     links: dict[str, Link]
     overlap: float = 0.5
+    # how much longer the exchange takes inside a training step than the same all-reduce timed
+    # alone (>= 1; measured when nothing of it overlaps backward: ~2x on the 2-core VM)
+    collective_in_step: float = 1.0
     device_type: str = "cpu"  # "cpu": devices are cores shared by the processes; else accelerators
     measured_at: str = ""
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -58,6 +61,7 @@ class CalibrationProfile:
             "memory_bandwidth": self.memory_bandwidth,
             "matmul_flops": self.matmul_flops,
             "overlap": self.overlap,
+            "collective_in_step": self.collective_in_step,
             "links": {name: {"alpha": link.alpha, "beta": link.beta} for name, link in self.links.items()},
             "samples": self.samples,
         }
@@ -98,6 +102,11 @@ class CalibrationProfile:
         overlap = number("overlap", positive=False)
         if not 0.0 <= overlap <= 1.0:
             raise CalibrationError(f"{source}: field 'overlap' must be in [0, 1], got {overlap!r}")
+        in_step = data.get("collective_in_step", 1.0)  # older profiles: not measured
+        if isinstance(in_step, bool) or not isinstance(in_step, int | float) or not in_step >= 1.0:
+            raise CalibrationError(
+                f"{source}: field 'collective_in_step' must be a number >= 1, got {in_step!r}"
+            )
         samples = data.get("samples", {})
         if not isinstance(samples, dict):
             raise CalibrationError(f"{source}: field 'samples' must be an object")
@@ -109,6 +118,7 @@ class CalibrationProfile:
             matmul_flops=number("matmul_flops"),
             links=links,
             overlap=overlap,
+            collective_in_step=float(in_step),
             device_type=str(data.get("device_type", "cpu")),
             measured_at=str(data.get("measured_at", "")),
             samples=samples,

@@ -39,6 +39,7 @@ class ClusterModel:
     inter_by_algorithm: dict[str, Link] = field(default_factory=dict)  # measured per algorithm, if any
     compute_scale: float = 1.0  # a device's speed relative to where the model was profiled
     overlap: float = 1.0  # how much of communication runs concurrently with backward (0..1)
+    collective_in_step: float = 1.0  # the exchange inside a step over the same collective alone (>= 1)
     server_apply_bytes_per_s: float = 4e9  # a parameter server applying an update (memory bound)
     cores_per_node: int | None = None  # CPU devices: processes on a node share these cores
     source: str = "defaults"
@@ -60,6 +61,8 @@ class ClusterModel:
             )
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if not self.collective_in_step >= 1.0:
+            raise ValueError(f"collective_in_step must be >= 1, got {self.collective_in_step!r}")
         missing = {"native", "ring", "reduce_to_one", "shm", "memory", "ps"} - set(self.intra)
         if missing:
             raise ValueError(f"intra-node links missing for {sorted(missing)}")
@@ -109,6 +112,7 @@ class ClusterModel:
             intra=intra,
             inter=inter or profile.links.get("network", DEFAULT_INTER),
             overlap=profile.overlap,
+            collective_in_step=profile.collective_in_step,
             server_apply_bytes_per_s=profile.memory_bandwidth,
             cores_per_node=profile.devices if profile.device_type == "cpu" else None,
             source=f"calibration {profile.machine}",

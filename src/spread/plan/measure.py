@@ -98,6 +98,7 @@ def measure_machine(path: str | os.PathLike, *, quick: bool = False, nprocs: int
         matmul_flops=flops,
         links=links,
         overlap=float(result["overlap"]),
+        collective_in_step=float(result.get("collective_in_step", 1.0)),
         device_type="cuda" if cuda else "cpu",
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         samples=result["samples"],

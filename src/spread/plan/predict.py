@@ -243,7 +243,8 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     else:
         algorithm = c.get("communication", "native")
         sizes = bucket_sizes(grad_bytes, o.bucket_bytes)
-        sliced = _core_share(cl, per_node, None)[1]  # the exchange is CPU work too: time-sliced alike
+        # the exchange is CPU work too (time-sliced alike), and costs more inside a step than alone
+        sliced = _core_share(cl, per_node, None)[1] * cl.collective_in_step
         buckets = [_allreduce(cl, algorithm, b, n) * sliced for b in sizes]
         comm_total = sum(buckets)
         ready = bucket_ready_fractions(sizes, p.gradient_arrival)
@@ -278,7 +279,7 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     backward = compute / o.accumulation_steps * p.backward_fraction
     units = [layer.param_bytes for layer in p.layers if layer.param_bytes > 0] or [p.param_bytes]
     link = cl.shard_link()
-    sliced = _core_share(cl, per_node, None)[1]  # collectives are CPU work too: time-sliced alike
+    sliced = _core_share(cl, per_node, None)[1] * cl.collective_in_step  # as for data parallelism
     if shard == "optimizer":
         reductions = [allreduce_time("native", u, n, cl.link("native")) * sliced for u in units]
     else:
