@@ -82,7 +82,8 @@ def _train(replicas: int, data: str) -> dict:
         model, ids = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
-    history = trainer.fit(_Files() if data == "files" else _Stream(), epochs=2, global_batch_size=6, verbose=0)
+    dataset = _Files() if data == "files" else _Stream()
+    history = trainer.fit(dataset, epochs=2, global_batch_size=6, verbose=0)
     state = {k: v.clone() for k, v in strategy.gather_state_dict(model).items()}
     strategy.close()
     return {

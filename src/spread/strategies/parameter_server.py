@@ -22,6 +22,8 @@ as one device on the global batch; ``max_staleness=k`` (async) holds back a work
 
 Data: ``distribute_dataset`` splits each global batch over the training tasks in both modes (each
 task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
+Async tasks may read their own ``shard()`` shards, of any sizes (each steps alone); sync mode refuses
+them, and both modes refuse a stream without ``shard()`` (see :meth:`_check_data`).
 ``reduce`` and ``gather`` are local: training tasks never wait for each other, so logs (and
 ``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) are not variables on the
 servers: each training task keeps its own, updated by its own batches, and its ``evaluate`` uses

@@ -11,9 +11,10 @@ model output.
 Topology: ``stages`` x ``replicas`` processes. Global rank ``r`` is stage ``r % stages`` of pipeline
 replica ``r // stages``; the ranks of one pipeline replica are contiguous. Every rank of a pipeline
 replica reads the same slice of each global batch (stage 0 uses the inputs, the last stage the
-targets). With ``replicas > 1`` (hybrid), each stage's gradients are all-reduced within that stage's
-replica group (``dist.new_group``) by :class:`~spread.comm.GradientReducer`, overlapped with the last
-micro-batch's backward.
+targets). With ``replicas > 1`` (hybrid), the replicas agree on each step of data read per replica
+(uneven ``shard()`` shards end together) and a stream is read by replica 0 (:meth:`_data_channel`);
+each stage's gradients are all-reduced within that stage's replica group (``dist.new_group``) by
+:class:`~spread.comm.GradientReducer`, overlapped with the last micro-batch's backward.
 
 Equivalence: each micro-batch's mean loss is scaled by its share of the *global* batch before its
 backward, gradients accumulate over the micro-batches and are summed over replicas, and the
