@@ -84,6 +84,7 @@ def _train(replicas: int, data: str) -> dict:
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
     dataset = _Files() if data == "files" else _Stream()
     history = trainer.fit(dataset, epochs=2, global_batch_size=6, verbose=0)
+    evaluated = trainer.evaluate(_Files() if data == "files" else _Stream(), global_batch_size=6)["loss"]
     state = {k: v.clone() for k, v in strategy.gather_state_dict(model).items()}
     strategy.close()
     return {
@@ -92,11 +93,12 @@ def _train(replicas: int, data: str) -> dict:
         "state": state,
         "steps": trainer.global_step,
         "reads": _Stream.reads,
+        "evaluated": evaluated,
     }
 
 
-def _one_device(global_batches: list[list[int]], steps_per_epoch: int) -> tuple[dict, list[float]]:
-    """The same global batches on one device: its final state and its per-epoch mean losses."""
+def _one_device(global_batches: list[list[int]], steps_per_epoch: int) -> tuple[nn.Module, list[float]]:
+    """The same global batches on one device: its final model and its per-epoch mean losses."""
     model, _ = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
@@ -112,14 +114,18 @@ def _one_device(global_batches: list[list[int]], steps_per_epoch: int) -> tuple[
         if step % steps_per_epoch == steps_per_epoch - 1:
             epoch_losses.append(total / count)
             total, count = 0.0, 0
-    return model.state_dict(), epoch_losses
+    return model, epoch_losses
 
 
 def _assert_equals_one_device(rank: dict, global_batches: list[list[int]], steps_per_epoch: int) -> None:
-    state, losses = _one_device(global_batches, steps_per_epoch)
-    for key, want in state.items():
+    model, losses = _one_device(global_batches, steps_per_epoch)
+    for key, want in model.state_dict().items():
         torch.testing.assert_close(rank["state"][key], want, rtol=1e-5, atol=1e-6)
     assert rank["loss"] == pytest.approx(losses, rel=1e-5)
+    samples = [_sample(i) for i in range(24)]  # evaluate: the mean over every sample, each once
+    with torch.no_grad():
+        x, y = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
+        assert rank["evaluated"] == pytest.approx(float(nn.CrossEntropyLoss()(model(x), y)), rel=1e-5)
 
 
 def test_hybrid_uneven_file_shards_end_together_and_equal_one_device():
