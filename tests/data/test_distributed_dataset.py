@@ -262,3 +262,15 @@ def test_a_process_whose_shard_is_empty_gets_a_clear_error():
     files = [range(0, 4), range(4, 4)]
     with pytest.raises(ValueError, match="process 1 got no batch from its shard"):
         _run_processes(lambda: _Files(files), 2, gbs=2)
+
+
+def test_a_stream_is_read_in_full_by_every_process_only_without_a_channel():
+    """What the strategy refuses (``Strategy._check_data``): a stream, several processes, no channel
+    to dispatch it. Map-style data, a stream with a channel, or one process are read once."""
+    two = ReplicaLayout(2, 0, 1, process_index=0, num_processes=2)
+    channel = ThreadChannels(2).channel(0)
+    assert DistributedDataset(_Stream(), 4, two).read_in_full_by_every_process
+    assert not DistributedDataset(_Stream(), 4, two, channel=channel).read_in_full_by_every_process
+    assert not DistributedDataset(_Stream(), 4, ReplicaLayout(1, 0, 1)).read_in_full_by_every_process
+    assert not DistributedDataset(torch.arange(8), 4, two).read_in_full_by_every_process
+    assert not DistributedDataset(_Stream(), 4, two, shard_policy="off").read_in_full_by_every_process

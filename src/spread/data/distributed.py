@@ -223,6 +223,17 @@ class DistributedDataset:
         self._batch = 0  # batches consumed in the current epoch
         self._resume_batch = 0
 
+    @property
+    def read_in_full_by_every_process(self) -> bool:
+        """A stream under the DATA policy, several processes and no channel to dispatch it: every
+        process would read all of it to keep its slice (the strategy refuses this)."""
+        return (
+            not self._map_style
+            and self.shard_policy is ShardPolicy.DATA
+            and self.layout.num_processes > 1
+            and self.channel is None
+        )
+
     # -- epochs and state --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (and so the shuffle) of the next iteration."""

@@ -266,16 +266,17 @@ class CollectivesDataChannel:
     """:class:`~spread.data.DataChannel` over the job's collectives (tensors moved to the collective's
     device and back: NCCL needs them on the GPU)."""
 
-    def __init__(self, collectives: Collectives, device: torch.device) -> None:
+    def __init__(self, collectives: Collectives, device: torch.device, *, first_rank: int = 0) -> None:
         self.collectives = collectives
         self.device = device
+        self.first_rank = first_rank  # the global rank of the group's first process (the reader)
 
     def sum_over_processes(self, counts: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce(counts.to(self.device), name="data_step_counts").cpu()
 
     def broadcast_from_first_process(self, tensors: list[torch.Tensor]) -> None:
         on_device = [t.to(self.device) for t in tensors]
-        self.collectives.broadcast_tensors(on_device, src=0, name="data_dispatch")
+        self.collectives.broadcast_tensors(on_device, src=self.first_rank, name="data_dispatch")
         for t, sent in zip(tensors, on_device, strict=True):
             if sent is not t:
                 t.copy_(sent)

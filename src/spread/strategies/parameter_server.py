@@ -22,6 +22,8 @@ as one device on the global batch; ``max_staleness=k`` (async) holds back a work
 
 Data: ``distribute_dataset`` splits each global batch over the training tasks in both modes (each
 task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
+Async tasks may read their own ``shard()`` shards, of any sizes (each steps alone); sync mode refuses
+them, and both modes refuse a stream without ``shard()`` (see :meth:`_check_data`).
 ``reduce`` and ``gather`` are local: training tasks never wait for each other, so logs (and
 ``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) are not variables on the
 servers: each training task keeps its own, updated by its own batches, and its ``evaluate`` uses
@@ -57,7 +59,7 @@ from spread import env
 from spread.checkpoint import CheckpointManager
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import default_init_timeout
-from spread.data import ReplicaLayout
+from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy
 from spread.errors import ParameterServerError, SpreadError
 from spread.ps.at_exit import close_at_exit
 from spread.ps.client import DEFAULT_TIMEOUT, PSClient
@@ -225,6 +227,36 @@ class ParameterServerStrategy(Strategy):
         if not self._closed:
             self._pull_whole([n for n, p in self._variables.items() if id(p) in self._embedding_modules])
         return model.state_dict()
+
+    def _check_data(self, data: DistributedDataset) -> None:
+        """Sync mode: every training task must push every step, but the tasks share no channel
+        (they talk only to the servers) to agree on where an epoch ends. Data each task reads on its
+        own (a ``shard()`` method, or ``shard_policy="off"``) may run out on one task first, leaving
+        the servers waiting for its share (the others then fail after the call timeout), so it is
+        refused; so is a stream without ``shard()``, which each task would read in full. Async mode
+        takes its own shards (each task steps alone; every sample is trained once) and refuses only
+        the stream (the default check)."""
+        if self.mode == "sync" and data.layout.num_processes > 1:
+            kind = type(data.dataset).__name__
+            instead = (
+                "pass a map-style dataset (with shard_policy='data' if it has a shard method: every "
+                "global batch is then split over the tasks and all end together), use mode='async' "
+                "(tasks step alone, uneven shards are fine), or MultiWorkerMirroredStrategy (its "
+                "processes end an epoch together)"
+            )
+            if data.shard_policy is not ShardPolicy.DATA:
+                raise SpreadError(
+                    f"ParameterServerStrategy(mode='sync') cannot train on {kind} with "
+                    f"shard_policy='{data.shard_policy.value}': each task would read its own shard, "
+                    f"and when one runs out first the servers wait for its share of the next step "
+                    f"(the tasks share no channel to end the epoch together); {instead}"
+                )
+            if data.read_in_full_by_every_process:
+                raise SpreadError(
+                    f"ParameterServerStrategy(mode='sync') cannot train on {kind}, an iterable "
+                    f"without shard(num_shards, index): every task would read it in full; {instead}"
+                )
+        super()._check_data(data)
 
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager

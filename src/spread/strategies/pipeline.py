@@ -11,9 +11,10 @@ model output.
 Topology: ``stages`` x ``replicas`` processes. Global rank ``r`` is stage ``r % stages`` of pipeline
 replica ``r // stages``; the ranks of one pipeline replica are contiguous. Every rank of a pipeline
 replica reads the same slice of each global batch (stage 0 uses the inputs, the last stage the
-targets). With ``replicas > 1`` (hybrid), each stage's gradients are all-reduced within that stage's
-replica group (``dist.new_group``) by :class:`~spread.comm.GradientReducer`, overlapped with the last
-micro-batch's backward.
+targets). With ``replicas > 1`` (hybrid), the replicas agree on each step of data read per replica
+(uneven ``shard()`` shards end together) and a stream is read by replica 0 (:meth:`_data_channel`);
+each stage's gradients are all-reduced within that stage's replica group (``dist.new_group``) by
+:class:`~spread.comm.GradientReducer`, overlapped with the last micro-batch's backward.
 
 Equivalence: each micro-batch's mean loss is scaled by its share of the *global* batch before its
 backward, gradients accumulate over the micro-batches and are summed over replicas, and the
@@ -70,7 +71,7 @@ from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import compiled_kind
 from spread.comm.ops import classify_error, destroy_group
-from spread.data import ReplicaLayout
+from spread.data import DataChannel, ReplicaLayout
 from spread.data.batches import inputs_and_targets
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
 from spread.memory import checkpoint_stage
@@ -93,6 +94,7 @@ from spread.pipeline.partition import bounds_from_split_points, check_stage_coun
 from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
 from spread.strategies.clipping import local_norm
 from spread.strategies.context import get_replica_context
+from spread.strategies.multi_worker_mirrored import CollectivesDataChannel
 from spread.strategies.process_group import join_process_group, local_device
 
 _WRAP_KIND = "pipeline"
@@ -287,6 +289,14 @@ class PipelineStrategy(Strategy):
         return ReplicaLayout(
             self.replicas, self.replica, 1, process_index=self.replica, num_processes=self.replicas
         )
+
+    def _data_channel(self) -> DataChannel:
+        """The pipeline replicas' data processes talk within this stage's replica group (one rank per
+        replica; every stage of a replica reads the same data, so each group sees the same counts):
+        uneven file shards end together (a finished replica steps with empty batches, weighted zero)
+        and a stream without ``shard()`` is read by replica 0's rank of the stage and broadcast. One
+        replica (``num_processes == 1``): unused."""
+        return CollectivesDataChannel(self.replica_collectives, self._device, first_rank=self.stage)
 
     # -- variables ---------------------------------------------------------------------------------
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
