@@ -6,34 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _uneven_cases import Files
 from torch import nn
 from torch.utils.data import IterableDataset
 
 from spread.testing import run_ranks
 
 pytestmark = pytest.mark.processes
-
-
-class _Files(IterableDataset):
-    """Files of samples (id, features, label); ``shard`` keeps every n-th file: shards of 8 and 16."""
-
-    SIZES = (5, 7, 3, 9)
-
-    def __init__(self, files: list[range] | None = None) -> None:
-        if files is None:
-            starts = [sum(self.SIZES[:i]) for i in range(len(self.SIZES))]
-            files = [range(s, s + n) for s, n in zip(starts, self.SIZES, strict=True)]
-        self.files = files
-
-    def shard(self, num_shards: int, index: int) -> _Files:
-        return _Files(self.files[index::num_shards])
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(0)
-        features = torch.randn(24, 4, generator=g)
-        for file in self.files:
-            for i in file:
-                yield torch.cat([torch.tensor([float(i)]), features[i]]), i % 3
 
 
 class _IdModel(nn.Module):
@@ -56,7 +35,7 @@ def _train() -> dict:
         model = _IdModel()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
-    history = trainer.fit(_Files(), epochs=2, global_batch_size=6, verbose=0)
+    history = trainer.fit(Files(), epochs=2, global_batch_size=6, verbose=0)
     weights = [p.detach().clone() for p in model.parameters()]
     strategy.close()
     return {
@@ -69,7 +48,7 @@ def _train() -> dict:
 
 def _one_device(global_batches: list[list[int]]) -> tuple[list[torch.Tensor], list[float]]:
     """The same global batches (the union of the ranks' local batches at each step) on one device."""
-    samples = {int(x[0]): (x, y) for x, y in _Files()}
+    samples = {int(x[0]): (x, y) for x, y in Files()}
     torch.manual_seed(0)
     model = _IdModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _uneven_cases import Files
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -18,27 +19,6 @@ from spread.errors import SpreadError
 from spread.testing import run_ps_job
 
 pytestmark = pytest.mark.processes
-
-
-class _Files(IterableDataset):
-    """Files of samples (id, features, label); ``shard`` keeps every n-th file: shards of 8 and 16."""
-
-    SIZES = (5, 7, 3, 9)
-
-    def __init__(self, files: list[range] | None = None) -> None:
-        if files is None:
-            starts = [sum(self.SIZES[:i]) for i in range(len(self.SIZES))]
-            files = [range(s, s + n) for s, n in zip(starts, self.SIZES, strict=True)]
-        self.files = files
-
-    def shard(self, num_shards: int, index: int) -> _Files:
-        return _Files(self.files[index::num_shards])
-
-    def __iter__(self):
-        features = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
-        for file in self.files:
-            for i in file:
-                yield torch.cat([torch.tensor([float(i)]), features[i]]), i % 3
 
 
 class _Stream(IterableDataset):
@@ -74,7 +54,7 @@ def _async_task() -> dict:
             model = nn.Sequential(ids, nn.Linear(4, 3))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
-        trainer.fit(_Files(), epochs=2, global_batch_size=6, verbose=0)
+        trainer.fit(Files(), epochs=2, global_batch_size=6, verbose=0)
         stats = None
         if strategy.is_chief:
             strategy.wait_for_workers()  # every task's last push is in
@@ -107,7 +87,7 @@ def _sync_task() -> dict:
         trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
         trainer.fit(map_style, epochs=1, global_batch_size=6, verbose=0)  # the accepted input trains
         return {
-            "files": _refusal(strategy, _Files()),
+            "files": _refusal(strategy, Files()),
             "off": _refusal(strategy, map_style, shard_policy="off"),
             "stream": _refusal(strategy, _Stream()),
             "map": _refusal(strategy, map_style),
@@ -122,7 +102,7 @@ def test_sync_refuses_per_task_shards_and_streams_up_front():
     assert all(r.ok for r in results), "\n".join(r.describe() for r in results if not r.ok)
     for result in results[:2]:
         got = result.value
-        assert "mode='sync'" in got["files"] and "_Files" in got["files"] and "'file'" in got["files"]
+        assert "mode='sync'" in got["files"] and "Files" in got["files"] and "'file'" in got["files"]
         assert "'off'" in got["off"] and "map-style" in got["off"] and "mode='async'" in got["off"]
         assert "_Stream" in got["stream"] and "read it in full" in got["stream"]
         assert got["map"] == "accepted" and result.value["steps"] == 4

@@ -10,32 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _uneven_cases import Files, sample
 from torch import nn
 from torch.utils.data import IterableDataset
 
 from spread.testing import run_ranks
 
 pytestmark = pytest.mark.processes
-
-
-class _Files(IterableDataset):
-    """Files of samples (id, features, label); ``shard`` keeps every n-th file: shards of 8 and 16."""
-
-    SIZES = (5, 7, 3, 9)
-
-    def __init__(self, files: list[range] | None = None) -> None:
-        if files is None:
-            starts = [sum(self.SIZES[:i]) for i in range(len(self.SIZES))]
-            files = [range(s, s + n) for s, n in zip(starts, self.SIZES, strict=True)]
-        self.files = files
-
-    def shard(self, num_shards: int, index: int) -> _Files:
-        return _Files(self.files[index::num_shards])
-
-    def __iter__(self):
-        for file in self.files:
-            for i in file:
-                yield _sample(i)
 
 
 class _Stream(IterableDataset):
@@ -47,12 +28,7 @@ class _Stream(IterableDataset):
         _Stream.reads = 0
         for i in range(24):
             _Stream.reads += 1
-            yield _sample(i)
-
-
-def _sample(i: int) -> tuple[torch.Tensor, int]:
-    features = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
-    return torch.cat([torch.tensor([float(i)]), features[i]]), i % 3
+            yield sample(i)
 
 
 class _Ids(nn.Module):
@@ -82,9 +58,9 @@ def _train(replicas: int, data: str) -> dict:
         model, ids = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
-    dataset = _Files() if data == "files" else _Stream()
+    dataset = Files() if data == "files" else _Stream()
     history = trainer.fit(dataset, epochs=2, global_batch_size=6, verbose=0)
-    evaluated = trainer.evaluate(_Files() if data == "files" else _Stream(), global_batch_size=6)["loss"]
+    evaluated = trainer.evaluate(Files() if data == "files" else _Stream(), global_batch_size=6)["loss"]
     state = {k: v.clone() for k, v in strategy.gather_state_dict(model).items()}
     strategy.close()
     return {
@@ -104,7 +80,7 @@ def _one_device(global_batches: list[list[int]], steps_per_epoch: int) -> tuple[
     loss_fn = nn.CrossEntropyLoss()
     epoch_losses, total, count = [], 0.0, 0
     for step, batch in enumerate(global_batches):
-        samples = [_sample(i) for i in batch]
+        samples = [sample(i) for i in batch]
         x, y = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
@@ -122,7 +98,7 @@ def _assert_equals_one_device(rank: dict, global_batches: list[list[int]], steps
     for key, want in model.state_dict().items():
         torch.testing.assert_close(rank["state"][key], want, rtol=1e-5, atol=1e-6)
     assert rank["loss"] == pytest.approx(losses, rel=1e-5)
-    samples = [_sample(i) for i in range(24)]  # evaluate: the mean over every sample, each once
+    samples = [sample(i) for i in range(24)]  # evaluate: the mean over every sample, each once
     with torch.no_grad():
         x, y = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
         assert rank["evaluated"] == pytest.approx(float(nn.CrossEntropyLoss()(model(x), y)), rel=1e-5)
@@ -152,7 +128,7 @@ def test_hybrid_stream_without_shard_is_read_by_replica_zero_and_equals_one_devi
 @pytest.mark.parametrize("data", ["files", "stream"])
 def test_one_pipeline_reads_each_input_whole_on_every_stage_and_equals_one_device(data):
     ranks = run_ranks(_train, 2, args=(1, data), timeout=180)
-    order = [i for file in _Files().files for i in file]
+    order = [i for file in Files().files for i in file]
     batches = [order[b : b + 6] for b in range(0, 24, 6)] * 2
     assert ranks[0]["steps_ids"] == batches and ranks[1]["steps"] == 8
     _assert_equals_one_device(ranks[0], batches, 4)
