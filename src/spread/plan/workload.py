@@ -353,7 +353,7 @@ def _split_backward_steps(
 
     if not isinstance(model, nn.Sequential) or len(model) < 2 or not isinstance(inputs, torch.Tensor):
         return {}
-    rest = model[1:]
+    rest = copy.deepcopy(model[1:])  # its own copy: the split's forward hooks stay off the timed model
     with torch.no_grad():
         first = model[0](take(inputs, max(sizes)))
     if not isinstance(first, torch.Tensor) or not first.is_floating_point():
