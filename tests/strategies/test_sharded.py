@@ -19,6 +19,7 @@ from _equivalence_cases import (
     make_optimizer,
     max_relative_difference,
 )
+from _sharded_cases import every_stage, make_sharded
 from torch import nn
 
 import spread
@@ -113,29 +114,6 @@ def test_registered_by_name():
     assert spread.strategies.STRATEGIES["sharded"] is spread.ShardedStrategy
 
 
-def make_sharded(config: str, **options) -> spread.ShardedStrategy:
-    shard, _, units = config.partition("/")
-    return spread.ShardedStrategy(shard=shard, units=units or "model", **options)
-
-
-def _every_stage(configs: tuple[str, ...], job) -> dict:
-    """Run ``job(strategy)`` under each configuration; the first strategy owns the process group."""
-    rank = int(os.environ["RANK"])
-    out = {}
-    owner = None
-    try:
-        for stage in configs:
-            strategy = make_sharded(stage)
-            owner = owner or strategy
-            out[stage] = job(strategy, rank)
-            if strategy is not owner:
-                strategy.close()
-        return out
-    finally:
-        if owner is not None:
-            owner.close()
-
-
 def _loop_job(strategy, rank: int) -> dict:
     # Non-chief ranks start from other weights: the chief's must win.
     return {
@@ -161,7 +139,7 @@ def _assert_same_optimizer_state(got: dict, expected: dict, who: str) -> None:
 def test_custom_loop_equals_one_device_at_every_stage(reference, nprocs):
     """SGD+momentum and AdamW (the latter with 2 micro-batches under no_sync), uneven final batches;
     the gathered optimizer state is one device's too. At 3 processes most parameters do not divide evenly."""
-    per_rank = run_ranks(_every_stage, nprocs, args=(CONFIGS, _loop_job), timeout=240)
+    per_rank = run_ranks(every_stage, nprocs, args=(CONFIGS, _loop_job), timeout=240)
     for rank, stages in enumerate(per_rank):
         for stage, results in stages.items():
             for name in OPTIMIZERS:
@@ -178,7 +156,7 @@ def _fit_job(strategy, rank: int) -> dict:
 
 @pytest.mark.processes
 def test_trainer_fit_with_clipping_and_accumulation_equals_one_device(reference):
-    per_rank = run_ranks(_every_stage, WORLD, args=(CONFIGS, _fit_job), timeout=240)
+    per_rank = run_ranks(every_stage, WORLD, args=(CONFIGS, _fit_job), timeout=240)
     for rank, stages in enumerate(per_rank):
         for stage, results in stages.items():
             for feature in FEATURES:
@@ -277,7 +255,7 @@ def _backup_job(root: str):
 
 
 def _every_stage_backup(root: str) -> dict:
-    return _every_stage(CONFIGS, _backup_job(root))
+    return every_stage(CONFIGS, _backup_job(root))
 
 
 @pytest.mark.processes

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _sharded_cases import every_stage
 from torch import nn
 
 import spread
@@ -47,22 +48,6 @@ def _fit(strategy, backup: BackupAndRestore, *, width: int = 1024, crash: bool =
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=callbacks)
     trainer.fit(_data(), epochs=2, global_batch_size=BATCH, seed=7, verbose=0)
     return strategy.model_state_dict(model)
-
-
-def _each_stage(job, *args) -> dict:
-    """``job(strategy, *args)`` under each stage; the first strategy owns the process group."""
-    out, owner = {}, None
-    try:
-        for stage in STAGES:
-            strategy = spread.ShardedStrategy(shard=stage)
-            owner = owner or strategy
-            out[stage] = job(strategy, *args)
-            if strategy is not owner:
-                strategy.close()
-        return out
-    finally:
-        if owner is not None:
-            owner.close()
 
 
 def _save_without_gathering(strategy, root: str) -> dict:
@@ -101,7 +86,7 @@ def _save_without_gathering(strategy, root: str) -> dict:
 
 
 def _no_gather_job(root: str) -> dict:
-    return _each_stage(_save_without_gathering, root)
+    return every_stage(STAGES, lambda strategy, rank: _save_without_gathering(strategy, root))
 
 
 @pytest.mark.processes
@@ -145,7 +130,7 @@ def _corrupt_then_resume(strategy, root: str) -> dict:
 
 
 def _corrupt_job(root: str) -> dict:
-    return _each_stage(_corrupt_then_resume, root)
+    return every_stage(STAGES, lambda strategy, rank: _corrupt_then_resume(strategy, root))
 
 
 @pytest.mark.processes
