@@ -39,10 +39,14 @@ def test_contention_is_measured_for_each_replica_count_and_never_below_one():
 
 
 def test_a_replica_that_fails_while_measuring_contention_raises_in_the_caller():
+    import os
     import threading
 
+    profiler = os.getpid()
+
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if threading.current_thread() is not threading.main_thread():  # only the concurrent replicas
+        # only the concurrent replicas: forked processes, or threads of this one
+        if os.getpid() != profiler or threading.current_thread() is not threading.main_thread():
             raise RuntimeError("replica blew up")
         return nn.functional.cross_entropy(out, target)
 
@@ -136,14 +140,62 @@ def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
         calls["together"] += 1
         time.sleep(0.06)  # sleeping threads overlap: each takes 3x the alone step
 
-    assert paired_slowdown(alone, [together, together], threads=1, repeats=3, cores=2) == pytest.approx(
+    threads = {"threads": 1, "processes": False}
+    assert paired_slowdown(alone, [together, together], repeats=3, cores=2, **threads) == pytest.approx(
         3.0, rel=0.3
     )
     assert calls == {"alone": 1 + 3, "together": 2 * (1 + 3)}  # one warm-up each, then one per round
     # four at once on two cores: half of the 3x is time-slicing, not contention
-    four = paired_slowdown(alone, [together] * 4, threads=1, repeats=2, cores=2)
+    four = paired_slowdown(alone, [together] * 4, repeats=2, cores=2, **threads)
     assert four == pytest.approx(1.5, rel=0.3)
-    assert paired_slowdown(together, [alone, alone], threads=1, repeats=2, cores=2) == 1.0  # never below one
+    assert paired_slowdown(together, [alone, alone], repeats=2, cores=2, **threads) == 1.0  # never below one
+
+
+def test_paired_slowdown_in_forked_processes_compares_the_same_way():
+    import time
+
+    from spread.plan.concurrency import paired_slowdown
+
+    def alone() -> None:
+        time.sleep(0.02)
+
+    def together() -> None:
+        time.sleep(0.06)
+
+    factor = paired_slowdown(alone, [together, together], threads=1, repeats=2, cores=2, processes=True)
+    assert factor == pytest.approx(3.0, rel=0.3)
+    assert paired_slowdown(alone, [together] * 4, threads=1, repeats=2, cores=2, processes=True) == (
+        pytest.approx(1.5, rel=0.3)
+    )
+
+
+def test_one_thread_replicas_are_measured_as_processes_by_default(monkeypatch):
+    import spread.plan.concurrency as concurrency
+
+    used = []
+
+    def fake_forked_rounds(alone, together, repeats):
+        used.append(len(together))
+        return [1.0] * repeats, [[1.2] * len(together)] * repeats
+
+    monkeypatch.setattr(concurrency, "forked_rounds", fake_forked_rounds)
+    factor = concurrency.paired_slowdown(print, [print, print], threads=1, repeats=2, cores=2)
+    assert factor == pytest.approx(1.2)
+    assert used == [2]
+    concurrency.paired_slowdown(lambda: None, [lambda: None] * 2, threads=2, repeats=1, cores=4)
+    assert used == [2]  # two threads per replica: a forked child cannot run them (GNU OpenMP), threads do
+
+
+def test_a_stuck_forked_replica_falls_back_to_threads_with_a_warning(monkeypatch):
+    import spread.plan.concurrency as concurrency
+
+    def stuck(alone, together, repeats):
+        raise TimeoutError("forked replica 1 did not finish round 0's step together in time")
+
+    monkeypatch.setattr(concurrency, "forked_rounds", stuck)
+    with pytest.warns(RuntimeWarning, match="replica 1 did not finish.*with threads instead"):
+        factor = concurrency.paired_slowdown(lambda: None, [lambda: None] * 2, threads=1, repeats=1, cores=2)
+    assert factor >= 1.0
 
 
 def test_profiling_with_thread_replicas_leaves_the_thread_count_as_it_was():

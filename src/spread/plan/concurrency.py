@@ -15,12 +15,14 @@ import copy
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from spread.plan._forked import can_fork, forked_rounds
 from spread.plan._timing import interleaved_medians, same_optimizer, take
 
 if TYPE_CHECKING:
@@ -94,22 +96,36 @@ def paired_slowdown(
     threads: int,
     repeats: int,
     cores: int,
+    *,
+    processes: bool | None = None,
 ) -> float:
     """How much slower each of ``together`` runs at once than ``alone`` by itself, >= 1.
 
     Both are timed in the same rounds (``alone``, then all of ``together`` at once), so the VM's drift
     within minutes hits both alike; the factor is the median over rounds of (median time together) /
-    (time alone), time-slicing (more steps than ``cores``) removed.
+    (time alone), time-slicing (more steps than ``cores``) removed. ``processes``: run each step in
+    its own forked process (:mod:`spread.plan._forked`), as a multi-process job's replicas run;
+    by default whenever a replica gets one thread and this platform can fork, else as threads.
     """
-    alone_times: list[float] = []
+    if processes is None:
+        processes = threads == 1 and can_fork()
+    if processes:
+        try:
+            alone_times, rounds = forked_rounds(alone, together, repeats)
+        except TimeoutError as exc:  # a child stuck (an OpenMP runtime that cannot fork): use threads
+            warnings.warn(f"{exc}; measuring contention with threads instead", RuntimeWarning, stacklevel=2)
+            return paired_slowdown(alone, together, threads, repeats, cores, processes=False)
+    else:
+        alone_times = []
 
-    def time_alone() -> None:
-        start = time.perf_counter()
-        alone()
-        alone_times.append(time.perf_counter() - start)
+        def time_alone() -> None:
+            start = time.perf_counter()
+            alone()
+            alone_times.append(time.perf_counter() - start)
 
-    rounds = _together_rounds(together, threads, repeats, between=time_alone)
-    ratios = [statistics.median(r) / a for r, a in zip(rounds, alone_times[1:], strict=True)]  # [0]: warm-up
+        rounds = _together_rounds(together, threads, repeats, between=time_alone)
+        alone_times = alone_times[1:]  # [0]: the warm-up round's
+    ratios = [statistics.median(r) / a for r, a in zip(rounds, alone_times, strict=True)]
     return _beyond_time_slicing(statistics.median(ratios), len(together), cores)
 
 

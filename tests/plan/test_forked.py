@@ -1,0 +1,67 @@
+"""Steps timed in forked one-thread processes: results, errors, timeouts, and no child left behind."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+
+from spread.plan._forked import ForkedStepError, can_fork, forked_rounds
+
+pytestmark = pytest.mark.skipif(not can_fork(), reason="needs os.fork and no CUDA context")
+
+
+def _children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True) if child.status() != "zombie"}
+
+
+def test_each_round_times_the_alone_step_then_the_others_at_once():
+    before = _children()
+    weights = torch.randn(64, 64)
+
+    def alone() -> None:
+        time.sleep(0.01)
+
+    def together() -> None:
+        (weights @ weights).sum()  # torch works in the child (one thread)
+        time.sleep(0.03)
+
+    alone_times, rounds = forked_rounds(alone, [together, together, together], repeats=3)
+    assert len(alone_times) == 3 and all(0.009 < t < 0.5 for t in alone_times)
+    assert len(rounds) == 3 and all(len(r) == 3 for r in rounds)
+    assert all(0.029 < t < 0.5 for r in rounds for t in r)
+    assert _children() == before  # every child killed and reaped
+
+
+def test_a_step_that_raises_in_a_child_raises_in_the_caller_with_its_message():
+    before = _children()
+
+    def broken() -> None:
+        raise ValueError("shapes do not match\nsecond line")
+
+    with pytest.raises(ForkedStepError, match="replica 2 during round 0's step together: ValueError: shapes"):
+        forked_rounds(lambda: None, [lambda: None, broken], repeats=1)
+    assert _children() == before
+
+
+def test_a_child_that_never_answers_times_out_and_is_killed():
+    before = _children()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="forked replica 1 did not finish round 0's step together"):
+        forked_rounds(lambda: None, [lambda: time.sleep(60)], repeats=1, step_timeout=0.5)
+    assert time.monotonic() - started < 10
+    assert _children() == before
+
+
+def test_the_children_never_change_the_callers_state():
+    state = torch.zeros(4)
+    threads = torch.get_num_threads()
+
+    def mutate() -> None:
+        state.add_(1)
+
+    forked_rounds(mutate, [mutate, mutate], repeats=2)
+    assert torch.equal(state, torch.zeros(4))  # copy-on-write: the children changed their copies
+    assert torch.get_num_threads() == threads
