@@ -235,7 +235,23 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
 
 
 def _profile_workload(name: str, procs: list[int]) -> ModelProfile:
-    """Profile ``name`` as the validation does for a grid of ``procs`` process counts."""
+    """Profile ``name`` in a fresh Python process, as ``spread plan`` profiles one model per run.
+
+    In one process profiling the families one after another, a model profiled after others had run
+    at one thread took the process's state from them: the LSTM, profiled last, predicted every
+    configuration ~30% faster than it measured (a fresh process's LSTM at 2 threads is slower than
+    one whose first steps ran at 1 thread; see docs/results/2026-11-25-planner-families.md).
+    """
+    with tempfile.TemporaryDirectory(prefix="spread-profile-") as folder:
+        out = os.path.join(folder, "profile.json")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--profile-only", name, "--procs",
+               ",".join(map(str, procs)), "--json", out]  # fmt: skip
+        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL, timeout=1800)
+        return _profile_from_json(json.loads(Path(out).read_text()))
+
+
+def _profile_here(name: str, procs: list[int]) -> ModelProfile:
+    """Profile ``name`` in this process for a grid of ``procs`` process counts."""
     cores = os.cpu_count() or 1
     model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name)
     x, y = make_batch(global_batch)
@@ -350,7 +366,12 @@ def main() -> None:
         help="measure each close cell's leading configurations again (a --json file)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --confirm: extra interleaved rounds")
+    parser.add_argument("--profile-only", default=None, help=argparse.SUPPRESS)  # one family, to --json
     args = parser.parse_args()
+    if args.profile_only:
+        counts = sorted({int(n) for n in args.procs.split(",")})
+        Path(args.json).write_text(json.dumps(asdict(_profile_here(args.profile_only, counts))))
+        return
     if args.confirm:
         _confirm(args.confirm, args.rounds, args.steps, args.timeout)
         return
