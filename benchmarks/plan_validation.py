@@ -163,6 +163,7 @@ def _cells(rows: list[dict], recommend: dict) -> list[dict]:
         confirmed = [(i, r) for i, r in here if r.get("confirmed")]
         best = min(confirmed or here, key=lambda t: t[1]["measured_ms"])[1]
         chosen = max(here, key=lambda t: recommend[t[0]])[1]
+        paired = _paired_behind(chosen, [r for _, r in confirmed])
         cells.append(
             {
                 "workload": key[0],
@@ -173,9 +174,43 @@ def _cells(rows: list[dict], recommend: dict) -> list[dict]:
                 "close": chosen["measured_ms"] <= 1.05 * best["measured_ms"],
                 "best_ms": best["measured_ms"],
                 "recommended_ms": chosen["measured_ms"],
+                "paired_behind": paired,
+                "paired_close": chosen["measured_ms"] <= 1.05 * best["measured_ms"]
+                if paired is None
+                else paired <= 0.05,
             }
         )
     return cells
+
+
+def _round_times(row: dict) -> list[float | None] | None:
+    """``row``'s step per ``--confirm`` round (None where that round failed), or None if unknown."""
+    if "rounds" in row:
+        return row["rounds"]
+    again = row.get("measurements", [])[1:]  # files from before "rounds" was kept: aligned if none failed
+    return again or None
+
+
+def _paired_behind(chosen: dict, contenders: list[dict]) -> float | None:
+    """How far ``chosen`` measured behind the best of ``contenders``, round by round.
+
+    In each ``--confirm`` round every contender ran within a minute of the others, so the ratio of
+    two rows' steps in the same round cancels the drift between rounds (this VM's speed moves by
+    20-40% within minutes). Per contender the median over rounds of ``chosen / contender``; the
+    largest of those, minus one (0 when ``chosen`` is the best). None where rounds cannot be paired.
+    """
+    mine = _round_times(chosen) if chosen.get("confirmed") else None
+    if not mine:
+        return None
+    behind = 0.0
+    for other in contenders:
+        theirs = _round_times(other)
+        if other is chosen or not theirs or len(theirs) != len(mine):
+            continue
+        ratios = [a / b for a, b in zip(mine, theirs, strict=True) if a and b]
+        if ratios:
+            behind = max(behind, statistics.median(ratios) - 1.0)
+    return behind
 
 
 def _report(rows: list[dict], cells: list[dict]) -> None:
@@ -188,13 +223,17 @@ def _report(rows: list[dict], cells: list[dict]) -> None:
             f"| {r['workload']} | {r['procs']} | {r['config']} | {r['predicted_ms']:.1f} | {measured} "
             f"| {error} |"
         )
-    print("\n| workload | procs | recommended | measured best | same | best ms | recommended ms |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| workload | procs | recommended | measured best | same | best ms | recommended ms "
+        "| behind the best, paired by round |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for c in cells:
+        paired = "" if c["paired_behind"] is None else f"{c['paired_behind']:.0%}"
         print(
             f"| {c['workload']} | {c['procs']} | {c['recommended']} | {c['measured_best']} | "
             f"{'yes' if c['hit'] else ('within 5%' if c['close'] else 'no')} | {c['best_ms']:.0f} | "
-            f"{c['recommended_ms']:.0f} |"
+            f"{c['recommended_ms']:.0f} | {paired} |"
         )
     _summary(rows, cells)
 
@@ -208,9 +247,10 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
     if names & set(workloads.FITTED) and names & set(workloads.HELD_OUT):
         groups.update(fitted=set(workloads.FITTED), held_out=set(workloads.HELD_OUT))
     print(
-        "\n| rows | configurations | median abs. error | within 20% | cells | recommended within 5% of best |"
+        "\n| rows | configurations | median abs. error | within 20% | cells | recommended within 5% of best "
+        "| within 5%, paired by round |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for label, members in groups.items():
         mine = [r for r in rows if members is None or r["workload"] in members]
         here = [c for c in cells if members is None or c["workload"] in members]
@@ -218,10 +258,12 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
         if not errors or not here:
             continue
         close = sum(c["close"] for c in here)
+        paired = sum(c["paired_close"] for c in here)
         within = sum(e <= 0.2 for e in errors)
         print(
             f"| {label} | {len(errors)} | {statistics.median(errors):.0%} | {within} of {len(errors)} "
-            f"| {len(here)} | {close} of {len(here)} ({close / len(here):.0%}) |"
+            f"| {len(here)} | {close} of {len(here)} ({close / len(here):.0%}) "
+            f"| {paired} of {len(here)} ({paired / len(here):.0%}) |"
         )
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if errors and cells:
@@ -328,17 +370,18 @@ def _confirm(path: str, rounds: int, steps: int, timeout: float, lead: float = 0
         contenders = [r for r in here if r["measured_ms"] <= (1 + lead) * best or r is chosen]
         if len(contenders) < 2:
             continue
-        again: dict[int, list[float]] = {id(r): [] for r in contenders}
+        again: dict[int, list[float | None]] = {id(r): [] for r in contenders}
         for r in range(rounds):  # the order rotates, so no row always runs first or after the same one
             shift = r % len(contenders)
             for row in contenders[shift:] + contenders[:shift]:
                 seconds = _measure(row["workload"], _candidate(row), steps, timeout)
-                if seconds is not None:
-                    again[id(row)].append(seconds * 1e3)
+                again[id(row)].append(None if seconds is None else seconds * 1e3)
         for row in contenders:
-            if again[id(row)]:
-                row["measurements"] = [row["measured_ms"], *again[id(row)]]
-                row["measured_ms"] = statistics.median(again[id(row)])
+            measured = [ms for ms in again[id(row)] if ms is not None]
+            if measured:
+                row["measurements"] = [row["measured_ms"], *measured]
+                row["rounds"] = again[id(row)]  # per round, None where it failed: pairs rows by round
+                row["measured_ms"] = statistics.median(measured)
                 row["confirmed"] = True
                 row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
         print(

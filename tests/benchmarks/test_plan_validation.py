@@ -49,3 +49,27 @@ def test_after_confirm_the_best_is_named_among_the_rows_measured_again():
     for row in rows:
         row.pop("confirmed", None)
     assert _score(rows)["measured_best"] == "c"
+
+
+def test_paired_by_round_the_recommendation_is_compared_in_the_same_minute():
+    # a (recommended) ran 4% behind b in every round, but b's slow second round makes its median
+    # look worse than a's: unpaired, a looks best; paired, 4% behind (within 5%)
+    rows = [
+        _row("a", 104.0, 10.0, confirmed=True, rounds=[104.0, 156.0, 104.0]),
+        _row("b", 110.0, 9.0, confirmed=True, rounds=[100.0, 150.0, 110.0 / 1.04]),
+    ]
+    cell = _score(rows)
+    assert cell["measured_best"] == "a"
+    assert abs(cell["paired_behind"] - 0.04) < 1e-9 and cell["paired_close"]
+    rows[0]["rounds"] = [110.0, 165.0, 110.0]  # 10% behind in every round
+    assert not _score(rows)["paired_close"]
+
+
+def test_a_failed_round_is_left_out_of_the_pairs_and_unconfirmed_cells_fall_back():
+    rows = [
+        _row("a", 100.0, 10.0, confirmed=True, rounds=[100.0, None, 100.0]),
+        _row("b", 100.0, 9.0, confirmed=True, rounds=[99.0, 50.0, 99.0]),
+    ]
+    assert abs(_score(rows)["paired_behind"] - 100 / 99 + 1) < 1e-9  # round 2 unpaired
+    plain = _score([_row("a", 104.0, 10.0), _row("b", 100.0, 9.0)])
+    assert plain["paired_behind"] is None and plain["paired_close"] == plain["close"]
