@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _profiles import toy_profile
@@ -186,14 +188,21 @@ def test_one_thread_replicas_are_measured_as_processes_by_default(monkeypatch):
     assert used == [2]  # two threads per replica: a forked child cannot run them (GNU OpenMP), threads do
 
 
-def test_a_stuck_forked_replica_falls_back_to_threads_with_a_warning(monkeypatch):
+@pytest.mark.parametrize(
+    "failure",
+    [
+        TimeoutError("forked replica 1 did not finish round 0's step together in time"),
+        BlockingIOError(11, "Resource temporarily unavailable"),  # fork refused
+    ],
+)
+def test_a_stuck_or_unforkable_replica_falls_back_to_threads_with_a_warning(monkeypatch, failure):
     import spread.plan.concurrency as concurrency
 
-    def stuck(alone, together, repeats):
-        raise TimeoutError("forked replica 1 did not finish round 0's step together in time")
+    def fails(alone, together, repeats):
+        raise failure
 
-    monkeypatch.setattr(concurrency, "forked_rounds", stuck)
-    with pytest.warns(RuntimeWarning, match="replica 1 did not finish.*with threads instead"):
+    monkeypatch.setattr(concurrency, "forked_rounds", fails)
+    with pytest.warns(RuntimeWarning, match=re.escape(failure.args[-1]) + ".*with threads instead"):
         factor = concurrency.paired_slowdown(lambda: None, [lambda: None] * 2, threads=1, repeats=1, cores=2)
     assert factor >= 1.0
 

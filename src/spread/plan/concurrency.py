@@ -112,7 +112,8 @@ def paired_slowdown(
     if processes:
         try:
             alone_times, rounds = forked_rounds(alone, together, repeats)
-        except TimeoutError as exc:  # a child stuck (an OpenMP runtime that cannot fork): use threads
+        except (TimeoutError, OSError) as exc:  # a child stuck (an OpenMP runtime that cannot fork) or
+            # no fork to be had (process or memory limits): threads, as before
             warnings.warn(f"{exc}; measuring contention with threads instead", RuntimeWarning, stacklevel=2)
             return paired_slowdown(alone, together, threads, repeats, cores, processes=False)
     else:
