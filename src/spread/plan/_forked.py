@@ -1,7 +1,7 @@
 """Time step functions in forked one-thread processes, as the processes of a data-parallel job run.
 
-Replicas that are threads of one process slow each other more than separate processes do: they
-share one allocator and one address space (page faults on fresh activation buffers serialize). On
+Replicas that are threads of one process slow each other more than separate processes do (they
+share one allocator and one address space; which of those costs it was not measured). On
 this 2-core VM two one-thread copies of a CNN ran 1.21-1.31x slower as threads and 1.12-1.16x as
 processes; a ResNet-style model 1.26x and 0.97x. A forked child starts with the model already in
 its memory (copy-on-write), so nothing is pickled or rebuilt. Only at one intra-op thread per child:
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-START, QUIT = b"s", b"q"
+START = b"s"  # any other byte, or the parent closing the pipe, ends the child
 
 
 class ForkedStepError(RuntimeError):
