@@ -27,6 +27,7 @@ def test_replica_counts_cover_the_node_without_measuring_every_count():
     assert replica_counts(1000) == [2, 3, 4, 8, 16, 1000]  # at most six, always ending at the node
 
 
+@pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_contention_is_measured_for_each_replica_count_and_never_below_one():
     model = _mlp()
     before = [p.detach().clone() for p in model.parameters()]
@@ -40,6 +41,7 @@ def test_contention_is_measured_for_each_replica_count_and_never_below_one():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_a_replica_that_fails_while_measuring_contention_raises_in_the_caller():
     import os
     import threading
@@ -64,6 +66,7 @@ def test_a_replica_that_fails_while_measuring_contention_raises_in_the_caller():
         )
 
 
+@pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_optimizer_is_timed_per_thread_count_and_under_concurrency():
     model = _mlp()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
@@ -84,6 +87,7 @@ def test_optimizer_is_timed_per_thread_count_and_under_concurrency():
     assert all(float(state["step"]) == 0 for state in optimizer.state.values())  # Adagrad's eager state
 
 
+@pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_without_an_optimizer_or_with_structured_inputs_those_factors_are_left_out():
     class Pair(nn.Module):
         def __init__(self) -> None:
@@ -153,6 +157,7 @@ def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
     assert paired_slowdown(together, [alone, alone], repeats=2, cores=2, **threads) == 1.0  # never below one
 
 
+@pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_paired_slowdown_in_forked_processes_compares_the_same_way():
     import time
 
@@ -207,6 +212,7 @@ def test_a_stuck_or_unforkable_replica_falls_back_to_threads_with_a_warning(monk
     assert factor >= 1.0
 
 
+@pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_profiling_with_thread_replicas_leaves_the_thread_count_as_it_was():
     previous = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -10,7 +10,10 @@ import torch
 
 from spread.plan._forked import ForkedStepError, can_fork, forked_rounds
 
-pytestmark = pytest.mark.skipif(not can_fork(), reason="needs os.fork and no CUDA context")
+pytestmark = [
+    pytest.mark.processes,  # every test forks children
+    pytest.mark.skipif(not can_fork(), reason="needs os.fork and no CUDA context"),
+]
 
 
 def _children() -> set[int]:
