@@ -28,6 +28,7 @@ def _profile() -> CalibrationProfile:
         links={"native": Link(6e-4, 8e8), "shm": Link(2e-5, 8e9)},
         overlap=0.25,
         collective_in_step=1.8,
+        busy_handoff=0.003,
         samples={"native": [[4096.0, 0.0012, 2.0]]},
     )
 
@@ -42,6 +43,7 @@ def test_cluster_from_profile_uses_its_links_and_cores():
     cluster = ClusterModel.from_profile(_profile(), nodes=2, devices_per_node=4)
     assert cluster.intra["shm"] == Link(2e-5, 8e9)
     assert cluster.cores_per_node == 4 and cluster.overlap == 0.25 and cluster.collective_in_step == 1.8
+    assert cluster.busy_handoff == 0.003
     assert cluster.link("native") == cluster.inter  # more than one node: the network
 
 
@@ -54,6 +56,8 @@ def test_cluster_from_profile_uses_its_links_and_cores():
         ({"overlap": 1.5}, "'overlap'"),
         ({"collective_in_step": 0.5}, "'collective_in_step'"),
         ({"collective_in_step": "x"}, "'collective_in_step'"),
+        ({"busy_handoff": -0.001}, "'busy_handoff'"),
+        ({"busy_handoff": 5}, "'busy_handoff'"),
         ({"links": {}}, "'links'"),
         ({"links": {"native": {"alpha": 1}}}, "link 'native'"),
     ],
@@ -69,9 +73,10 @@ def test_malformed_profiles_name_the_field(tmp_path, change, message):
 
 def test_a_profile_from_before_the_in_step_factor_loads_as_one(tmp_path):
     data = _profile().to_json()
-    del data["collective_in_step"]
+    del data["collective_in_step"], data["busy_handoff"]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    assert load_profile(tmp_path / "old.json").collective_in_step == 1.0
+    old = load_profile(tmp_path / "old.json")
+    assert (old.collective_in_step, old.busy_handoff) == (1.0, 0.0)
 
 
 def test_missing_and_non_json_files(tmp_path):
@@ -116,4 +121,14 @@ def test_quick_calibration_measures_every_algorithm(tmp_path):
     assert {len(samples) for name, samples in profile.samples.items() if name != "shard"} == {3}
     assert len(profile.samples["shard"]) == 6
     assert profile.matmul_flops > 0 and 0.0 <= profile.overlap <= 1.0
+    assert 0.0 < profile.busy_handoff < 1.0  # busy children forked beside the ranks, then reaped
     assert load_profile(tmp_path / "cal.json") == profile
+
+
+@pytest.mark.processes
+def test_calibration_in_rounds_fits_every_rounds_samples(tmp_path):
+    profile = calibrate(tmp_path / "cal.json", quick=True, rounds=2)
+    assert {len(samples) for name, samples in profile.samples.items() if name != "shard"} == {6}
+    assert profile.collective_in_step >= 1.0 and 0.0 < profile.busy_handoff < 1.0
+    with pytest.raises(ValueError, match="rounds"):
+        calibrate(tmp_path / "bad.json", quick=True, rounds=0)

@@ -8,7 +8,8 @@ import psutil
 import pytest
 import torch
 
-from spread.plan._forked import ForkedStepError, can_fork, forked_rounds
+from spread.plan import _forked
+from spread.plan._forked import ForkedStepError, busy_processes, can_fork, forked_rounds
 
 pytestmark = [
     pytest.mark.processes,  # every test forks children
@@ -68,3 +69,28 @@ def test_the_children_never_change_the_callers_state():
     forked_rounds(mutate, [mutate, mutate], repeats=2)
     assert torch.equal(state, torch.zeros(4))  # copy-on-write: the children changed their copies
     assert torch.get_num_threads() == threads
+
+
+def test_busy_processes_compute_while_the_block_runs_and_are_reaped_after_it():
+    before = _children()
+    with busy_processes(2) as started:
+        assert started == 2
+        busy = [psutil.Process(pid) for pid in _children() - before]
+        assert len(busy) == 2
+        time.sleep(0.3)
+        assert all(sum(p.cpu_times()[:2]) > 0.05 for p in busy)  # they compute, not sleep
+    assert _children() == before
+
+
+def test_busy_processes_are_reaped_when_the_block_raises():
+    before = _children()
+    with pytest.raises(RuntimeError, match="measuring failed"), busy_processes(1):
+        raise RuntimeError("measuring failed")
+    assert _children() == before
+
+
+def test_busy_processes_start_none_where_forking_is_not_possible(monkeypatch):
+    monkeypatch.setattr(_forked, "can_fork", lambda: False)
+    before = _children()
+    with busy_processes(3) as started:
+        assert started == 0 and _children() == before

@@ -159,6 +159,30 @@ def test_pipeline_by_hand():
     assert p.memory.activations == pytest.approx(2 * 25 * 2000)
 
 
+def test_a_crowded_pipeline_waits_for_a_core_once_per_micro_batch():
+    """4 stage processes on 2 cores: a stage woken by its neighbour waits for a core (the
+    calibration's busy_handoff), once per micro-batch; with a core each it wakes at once."""
+    c = Candidate("pipeline", 4, (("stages", 4), ("microbatches", 8), ("schedule", "1f1b")))
+    options = Options(global_batch=128)
+    crowded = _cluster(devices_per_node=4)
+    calm = predict(c, _profile(), crowded, options)
+    waiting = predict(c, _profile(), replace(crowded, busy_handoff=0.003), options)
+    assert calm.parts["wakeups"] == 0.0
+    assert waiting.parts["wakeups"] == pytest.approx(8 * 0.003)
+    assert waiting.step_seconds == pytest.approx(calm.step_seconds + 8 * 0.003)
+    twice = predict(
+        c, _profile(), replace(crowded, busy_handoff=0.003), replace(options, accumulation_steps=2)
+    )
+    assert twice.parts["wakeups"] == pytest.approx(2 * 8 * 0.003)  # every accumulation step's pipeline
+    for roomy in (
+        _cluster(devices_per_node=4, cores_per_node=4, busy_handoff=0.003),  # a core per stage
+        _cluster(devices_per_node=4, cores_per_node=None, busy_handoff=0.003),  # accelerators
+    ):
+        assert predict(c, _profile(), roomy, options).parts["wakeups"] == 0.0
+    with pytest.raises(ValueError, match="busy_handoff"):
+        _cluster(busy_handoff=-1.0)
+
+
 def test_an_unbalanced_pipeline_keeps_fewer_cores_busy_than_it_has_processes():
     # Blocks of 70% / 10% / 10% / 10% of the time: stages [0] and [1, 2, 3] (70% and 30%). Two
     # replicas of two stages are 4 processes on 2 cores (1 thread each), but while a 70% stage

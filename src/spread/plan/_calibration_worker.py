@@ -6,7 +6,8 @@ link), times one push per size on the parameter servers' transport (rank 0 to a 
 1), then measures how much of the gradient exchange the real strategy hides behind backward:
 an MLP step with the exchange (``t_sync``) and without it (``no_sync``: ``t_local``), and the bare
 all-reduce of its gradients (``t_comm``); the overlap is the ``eta`` for which
-:func:`spread.plan.costs.exposed_communication` explains ``t_sync - t_local``. Rank 0 writes JSON.
+:func:`spread.plan.costs.exposed_communication` explains ``t_sync - t_local``; last, how long a
+message takes to wake a waiting peer while every core is busy (``busy_handoff``). Rank 0 writes JSON.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from spread import env as spread_env
 from spread.comm.algorithms import ALGORITHMS, make_algorithm
+from spread.plan._forked import busy_processes
 from spread.plan.costs import exposed_communication
 from spread.ps.transports import DEFAULT_TRANSPORT
 from spread.strategies import MultiWorkerMirroredStrategy
@@ -63,19 +66,31 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, f
 
     barrier = strategy.collectives.barrier
     grads = torch.ones(sum(p.numel() for p in model.parameters()))
-    # Rounds of the four timings in turn, medians over rounds: one block of each read the step's
-    # excess over the bare all-reduce anywhere from 1.2x to 1.9x on the 2-core VM.
-    rounds: list[tuple[float, float, float, float]] = []
-    for _ in range(ROUNDS):
-        t_sync = _median_seconds(forward_backward, reps, barrier)
+
+    def timed(fn) -> float:
+        barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    # A step with the exchange, one without and the bare all-reduce, back to back, many times: the
+    # step's excess over the bare all-reduce is a difference of two noisy timings, so each is paired
+    # with its neighbours (medians of whole blocks read it anywhere from 1.4x to 3.7x in five
+    # calibrations minutes apart on the 2-core VM; see docs/results/2026-11-26-planner-handoffs.md).
+    forward_backward()
+    excess, ratios, locals_, comms = [], [], [], []
+    for _ in range(ROUNDS * reps):
+        t_sync = timed(forward_backward)
         with strategy.no_sync():
-            t_local = _median_seconds(forward_backward, reps, barrier)
-        t_forward = _median_seconds(forward, reps, barrier)
-        t_comm = _median_seconds(lambda: strategy.algorithm.all_reduce(grads), reps, barrier)
-        rounds.append((t_sync, t_local, t_forward, t_comm))
-    t_sync, t_local, t_forward, t_comm = (statistics.median(r[i] for r in rounds) for i in range(4))
-    exposed = max(t_sync - t_local, 0.0)
-    in_step = max(1.0, exposed / t_comm) if t_comm > 0 else 1.0
+            t_local = timed(forward_backward)
+        t_comm = timed(lambda: strategy.algorithm.all_reduce(grads))
+        excess.append(max(t_sync - t_local, 0.0))
+        ratios.append(max(t_sync - t_local, 0.0) / t_comm)
+        locals_.append(t_local)
+        comms.append(t_comm)
+    t_forward = _median_seconds(forward, reps, barrier)
+    exposed, t_local, t_comm = (statistics.median(v) for v in (excess, locals_, comms))
+    in_step = max(1.0, statistics.median(ratios))
     backward = max(t_local - t_forward, 1e-9)
     buckets = [t_comm]  # the MLP's 4.2 MB of gradients fit in one 25 MB bucket
     lo, hi = 0.0, 1.0
@@ -86,6 +101,38 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, f
         else:
             hi = mid
     return round((lo + hi) / 2, 3), round(in_step, 3)
+
+
+def _busy_handoff(strategy: MultiWorkerMirroredStrategy, reps: int) -> float:
+    """One-way seconds for a small message to wake a peer that waits for it while every core is busy.
+
+    A pipeline stage computes, then waits for its neighbour; with more busy processes than cores it
+    is woken only when the scheduler gives it a core back. On the 2-core VM a 256 KB ping-pong
+    between two computing processes took 0.3 ms per round trip alone and 3.4-7.1 ms with two more
+    processes computing (docs/results/2026-11-26-planner-handoffs.md). Ranks 0 and 1 ping-pong,
+    computing between hops as stages do, while forked children keep every core busy. Rank 0's
+    median round trip over two; 0 on other ranks and where no load can be forked.
+    """
+    rank, n = strategy.collectives.rank, strategy.num_replicas_in_sync
+    per_rank = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    message, work = torch.ones(1024), torch.ones(256, 256)
+    trips: list[float] = []
+    with busy_processes(per_rank) as started:
+        strategy.collectives.barrier(name="calibration.handoff")
+        if started and rank < 2 <= n:
+            for _ in range(max(reps, 5) * 4 + 1):
+                begin = time.perf_counter()
+                if rank == 0:
+                    dist.send(message, 1)
+                    dist.recv(message, 1)
+                else:
+                    dist.recv(message, 0)
+                    dist.send(message, 0)
+                trips.append(time.perf_counter() - begin)
+                for _ in range(8):  # a stage's compute between hops: a few ms
+                    work @ work
+        strategy.collectives.barrier(name="calibration.handoff")
+    return statistics.median(trips[1:]) / 2 if rank == 0 and len(trips) > 1 else 0.0
 
 
 def _shard_collective_samples(
@@ -190,6 +237,7 @@ def main() -> None:
         sizes = [int(s) for s in args.sizes.split(",")]
         samples["shard"] = _shard_collective_samples(strategy, sizes, args.reps)
         overlap, in_step = _overlap(strategy, args.reps)
+        handoff = _busy_handoff(strategy, args.reps)
         ps_samples = _ps_transport_samples(strategy, sizes, args.reps) if n >= 2 else []
         if strategy.is_chief:
             tmp = f"{args.output}.tmp"
@@ -200,6 +248,7 @@ def main() -> None:
                         "ps": ps_samples,
                         "overlap": overlap,
                         "collective_in_step": in_step,
+                        "busy_handoff": handoff,
                         "ranks": n,
                     },
                     f,

@@ -10,15 +10,17 @@ matmul after fork never returned), so callers fall back to threads above one.
 
 Each child waits on its own pipe for a start byte, runs its step, and writes the seconds (or its
 error) as one text line back: no pickling. Children are killed and reaped on every exit path.
+:func:`busy_processes` forks children that only keep a core busy (the calibration's load).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -133,3 +135,38 @@ def forked_rounds(
     finally:
         for replica in replicas:
             replica.close()
+
+
+def _spin(parent: int) -> None:
+    """A busy child's loop: one-thread matmuls until killed, or until its parent is gone."""
+    try:
+        torch.set_num_threads(1)
+        a = torch.ones(256, 256)
+        while os.getppid() == parent:
+            a @ a
+    finally:
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[int]:
+    """``count`` forked one-thread children computing for as long as the block runs.
+
+    Yields how many were started (0 where this platform cannot fork). They are killed and reaped
+    when the block ends, however it ends; one whose parent died ends by itself.
+    """
+    pids: list[int] = []
+    parent = os.getpid()
+    try:
+        if can_fork():
+            for _ in range(count):
+                pid = os.fork()
+                if pid == 0:
+                    _spin(parent)
+                pids.append(pid)
+        yield len(pids)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

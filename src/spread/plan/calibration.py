@@ -4,7 +4,7 @@ Schema (version 1)::
 
     {"schema": 1, "machine": "...", "measured_at": "...", "device_type": "cpu", "devices": 2,
      "memory_per_device": 25769803776, "memory_bandwidth": 1.6e10, "matmul_flops": 7.1e10,
-     "overlap": 0.5,
+     "overlap": 0.5, "collective_in_step": 1.4, "busy_handoff": 0.002,
      "links": {"native": {"alpha": 6e-4, "beta": 7.8e8}, "shm": {...}, ...},
      "samples": {"native": [[bytes, seconds, ranks], ...], ...}}
 
@@ -46,6 +46,9 @@ class CalibrationProfile:
     # how much longer the exchange takes inside a training step than the same all-reduce timed
     # alone (>= 1; measured when nothing of it overlaps backward: ~2x on the 2-core VM)
     collective_in_step: float = 1.0
+    # one-way seconds for a message to wake a peer that waits for it while every core is busy
+    # (a pipeline stage on a node with more busy processes than cores; 0 where not measured)
+    busy_handoff: float = 0.0
     device_type: str = "cpu"  # "cpu": devices are cores shared by the processes; else accelerators
     measured_at: str = ""
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -62,6 +65,7 @@ class CalibrationProfile:
             "matmul_flops": self.matmul_flops,
             "overlap": self.overlap,
             "collective_in_step": self.collective_in_step,
+            "busy_handoff": self.busy_handoff,
             "links": {name: {"alpha": link.alpha, "beta": link.beta} for name, link in self.links.items()},
             "samples": self.samples,
         }
@@ -107,6 +111,11 @@ class CalibrationProfile:
             raise CalibrationError(
                 f"{source}: field 'collective_in_step' must be a number >= 1, got {in_step!r}"
             )
+        handoff = data.get("busy_handoff", 0.0)  # older profiles: not measured
+        if isinstance(handoff, bool) or not isinstance(handoff, int | float) or not 0.0 <= handoff < 1.0:
+            raise CalibrationError(
+                f"{source}: field 'busy_handoff' must be a number of seconds in [0, 1), got {handoff!r}"
+            )
         samples = data.get("samples", {})
         if not isinstance(samples, dict):
             raise CalibrationError(f"{source}: field 'samples' must be an object")
@@ -119,6 +128,7 @@ class CalibrationProfile:
             links=links,
             overlap=overlap,
             collective_in_step=float(in_step),
+            busy_handoff=float(handoff),
             device_type=str(data.get("device_type", "cpu")),
             measured_at=str(data.get("measured_at", "")),
             samples=samples,
@@ -189,12 +199,14 @@ def fit_link(algorithm: str, samples: list[tuple[float, float, int]]) -> Link:
     return Link(alpha=alpha, beta=1.0 / inv_beta)
 
 
-def calibrate(path: str | os.PathLike, *, quick: bool = False, nprocs: int = 2) -> CalibrationProfile:
+def calibrate(
+    path: str | os.PathLike, *, quick: bool = False, nprocs: int = 2, rounds: int | None = None
+) -> CalibrationProfile:
     """Measure this machine (compute, memory, every all-reduce algorithm, overlap) and save to ``path``.
 
-    ``quick`` uses fewer sizes and repetitions (seconds instead of about a minute). Starts ``nprocs``
-    local ranks; see :mod:`spread.plan.measure`.
+    ``quick`` uses fewer sizes and repetitions and one round (seconds instead of about a minute).
+    Starts ``nprocs`` local ranks, ``rounds`` times (default 3); see :mod:`spread.plan.measure`.
     """
     from spread.plan.measure import measure_machine  # torch and the launcher only when measuring
 
-    return measure_machine(path, quick=quick, nprocs=nprocs)
+    return measure_machine(path, quick=quick, nprocs=nprocs, rounds=rounds)

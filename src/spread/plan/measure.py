@@ -75,8 +75,19 @@ def measure_links(nprocs: int, sizes: list[int], reps: int) -> dict:
         return json.loads(Path(output).read_text())
 
 
-def measure_machine(path: str | os.PathLike, *, quick: bool = False, nprocs: int = 2) -> CalibrationProfile:
-    """Measure this machine and save the profile at ``path`` (see :mod:`spread.plan.calibration`)."""
+def measure_machine(
+    path: str | os.PathLike, *, quick: bool = False, nprocs: int = 2, rounds: int | None = None
+) -> CalibrationProfile:
+    """Measure this machine and save the profile at ``path`` (see :mod:`spread.plan.calibration`).
+
+    The collectives job runs ``rounds`` times (default 3; 1 when ``quick``), one after another: the
+    links are fitted to every round's samples together and the in-step factor, overlap and busy
+    handoff are the medians over rounds. One job alone read the in-step factor 1.2 to 3.7 in
+    calibrations minutes apart on the 2-core VM (docs/results/2026-11-26-planner-handoffs.md).
+    """
+    rounds = (1 if quick else 3) if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     cuda = torch.cuda.is_available()
     devices = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
     memory = (
@@ -84,11 +95,19 @@ def measure_machine(path: str | os.PathLike, *, quick: bool = False, nprocs: int
     )
     bandwidth = copy_bandwidth(16 << 20 if quick else 64 << 20)
     flops = matmul_flops(n=512 if quick else 1024)
-    result = measure_links(nprocs, QUICK_SIZES if quick else FULL_SIZES, 3 if quick else 7)
-    links = {name: fit_link(name, [tuple(s) for s in samples]) for name, samples in result["samples"].items()}
-    if len(result.get("ps", [])) >= 2:
-        links["ps"] = fit_link("ps", [tuple(s) for s in result["ps"]])
-        result["samples"]["ps"] = result["ps"]
+    jobs = [
+        measure_links(nprocs, QUICK_SIZES if quick else FULL_SIZES, 3 if quick else 7) for _ in range(rounds)
+    ]
+    samples = {name: [s for job in jobs for s in job["samples"].get(name, [])] for name in jobs[0]["samples"]}
+    links = {name: fit_link(name, [tuple(s) for s in taken]) for name, taken in samples.items()}
+    pushes = [s for job in jobs for s in job.get("ps", [])]
+    if len(pushes) >= 2:
+        links["ps"] = fit_link("ps", [tuple(s) for s in pushes])
+        samples["ps"] = pushes
+
+    def median(field: str, default: float) -> float:
+        return statistics.median(float(job.get(field, default)) for job in jobs)
+
     links["memory"] = Link(alpha=1e-6, beta=bandwidth)
     profile = CalibrationProfile(
         machine=f"{platform.node()} {platform.machine()} {devices} {'GPU' if cuda else 'CPU core'}(s)",
@@ -97,11 +116,12 @@ def measure_machine(path: str | os.PathLike, *, quick: bool = False, nprocs: int
         memory_bandwidth=bandwidth,
         matmul_flops=flops,
         links=links,
-        overlap=float(result["overlap"]),
-        collective_in_step=float(result.get("collective_in_step", 1.0)),
+        overlap=median("overlap", 0.5),
+        collective_in_step=median("collective_in_step", 1.0),
+        busy_handoff=median("busy_handoff", 0.0),
         device_type="cuda" if cuda else "cpu",
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        samples=result["samples"],
+        samples=samples,
     )
     save_profile(profile, path)
     return profile

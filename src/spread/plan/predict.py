@@ -437,7 +437,15 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     boundary = max((p.layers[g[-1]].output_bytes_per_sample for g in groups[:-1]), default=0.0)
     link = cl.link("native")
     step = pipeline_step_time(stage_compute, stages, micro, boundary * per_replica / micro, link, schedule)
-    step *= o.accumulation_steps
+    # More processes computing than cores: a stage that waits for its neighbour's activation or
+    # gradient runs again only when the scheduler frees a core for it (the calibration's
+    # busy_handoff, ~3 ms on the 2-core VM). Once per micro-batch on the critical path: the fitted
+    # families' pipelines at 4 processes on 2 cores measured about that much over the prediction
+    # (the MLP: 22-28 ms at M=4, 24-38 at 8, 48-53 at 16). With a core each, or on accelerators,
+    # a waiting stage wakes at once.
+    crowded = cl.cores_per_node is not None and busy > cl.cores_per_node
+    wakeups = micro * cl.busy_handoff if crowded else 0.0
+    step = (step + wakeups) * o.accumulation_steps
     stage_params = max(sum(p.layers[i].param_bytes for i in g) for g in groups)
     grad_sync = allreduce_time("native", stage_params, replicas, link)
     stage_replicas = max(1, on_node // stages)  # a stage's replicas on a node update at the same moment
@@ -462,7 +470,8 @@ def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     )
     bubble = pipeline_bubble(stages, micro, schedule)
     note = f"bubble {bubble:.0%}, slowest stage {share:.0%} of the model's time"
-    return step, o.global_batch / step, memory, note, {"compute": stage_compute * micro, "sync": grad_sync}
+    parts = {"compute": stage_compute * micro, "sync": grad_sync, "wakeups": wakeups * o.accumulation_steps}
+    return step, o.global_batch / step, memory, note, parts
 
 
 _PREDICTORS = {
