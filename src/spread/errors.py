@@ -25,6 +25,14 @@ class ClusterSpecError(SpreadError, ValueError):
         super().__init__(f"malformed cluster spec in {where}: {problem}")
 
 
+class WorldSizeError(SpreadError, ValueError):
+    """A strategy needs a different number of processes than the job has (``needed``, ``available``)."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        self.needed, self.available = needed, available
+        super().__init__(message)
+
+
 class RendezvousError(SpreadError):
     """Processes could not meet: unreachable store, missing ranks, mismatched world sizes."""
 

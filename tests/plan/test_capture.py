@@ -72,3 +72,20 @@ def test_a_script_that_never_calls_fit_gets_a_clear_error(tmp_path):
     script.write_text("print('custom loop')\n")
     with pytest.raises(CaptureError, match=r"finished without calling spread\.Trainer\.fit"):
         capture_script(str(script))
+
+
+def test_a_script_whose_strategy_needs_several_processes_is_told_to_give_a_factory(tmp_path):
+    """A pipeline script cannot build its strategy in the one process spread plan runs it in."""
+    script = tmp_path / "pipeline_train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import spread
+            strategy = spread.PipelineStrategy(stages=2, microbatches=4)
+            raise AssertionError("unreachable: the strategy refuses one process")
+            """
+        )
+    )
+    with pytest.raises(CaptureError, match=r"as one process, but its strategy needs 2 processes.*--model"):
+        capture_script(str(script))
+    assert not torch.distributed.is_initialized()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from spread.data.batches import inputs_and_targets
+from spread.errors import WorldSizeError
 from spread.strategies import OneDeviceStrategy
 from spread.train import Trainer
 
@@ -99,6 +100,12 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
         return reached.workload
     except SystemExit as exc:
         raise CaptureError(f"{path} exited (status {exc.code}) before calling Trainer.fit") from None
+    except WorldSizeError as exc:  # e.g. PipelineStrategy(stages=2): it cannot be built in one process
+        raise CaptureError(
+            f"spread plan runs {path} as one process, but its strategy needs {exc.needed} processes; "
+            f"give the model instead: `spread plan --model module:function` returning "
+            f"(model, loss_fn, inputs, targets[, optimizer])"
+        ) from None
     finally:
         Trainer.fit = original_fit  # type: ignore[method-assign]
         sys.argv = argv

@@ -73,7 +73,14 @@ from spread.comm.compiled import compiled_kind
 from spread.comm.ops import classify_error, destroy_group
 from spread.data import DataChannel, ReplicaLayout
 from spread.data.batches import inputs_and_targets
-from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError, PipelineStageError, SpreadError
+from spread.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    PeerLostError,
+    PipelineStageError,
+    SpreadError,
+    WorldSizeError,
+)
 from spread.memory import checkpoint_stage
 from spread.memory.forward_wrap import unwrap_forward, wrap_forward, wrappers
 from spread.pipeline import (
@@ -186,10 +193,12 @@ class PipelineStrategy(Strategy):
         self.record_times = record_times
         self.cluster = cluster if cluster is not None else resolve_cluster()
         if self.cluster.world_size != stages * replicas:
-            raise ValueError(
+            raise WorldSizeError(
                 f"PipelineStrategy(stages={stages}, replicas={replicas}) needs {stages * replicas} "
                 f"processes, but the job has {self.cluster.world_size}; launch it with "
-                f"`spread run -n {stages * replicas}` (or change stages/replicas)"
+                f"`spread run -n {stages * replicas}` (or change stages/replicas)",
+                needed=stages * replicas,
+                available=self.cluster.world_size,
             )
         self._device = local_device(self.cluster)
         self._resources.owner = f"PipelineStrategy rank {self.cluster.rank}"
