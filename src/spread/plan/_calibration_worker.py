@@ -33,15 +33,17 @@ from spread.strategies import MultiWorkerMirroredStrategy
 ROUNDS = 5  # of the overlap measurement
 
 
+def _timed(fn, barrier) -> float:
+    """Seconds of one ``fn()`` started together on every rank."""
+    barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def _median_seconds(fn, reps: int, barrier) -> float:
     fn()
-    times = []
-    for _ in range(reps):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_timed(fn, barrier) for _ in range(reps))
 
 
 def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, float]:
@@ -67,12 +69,6 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, f
     barrier = strategy.collectives.barrier
     grads = torch.ones(sum(p.numel() for p in model.parameters()))
 
-    def timed(fn) -> float:
-        barrier()
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
     # A step with the exchange, one without and the bare all-reduce, back to back, many times: the
     # step's excess over the bare all-reduce is a difference of two noisy timings, so each is paired
     # with its neighbours (medians of whole blocks read it anywhere from 1.4x to 3.7x in five
@@ -80,10 +76,10 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, f
     forward_backward()
     excess, ratios, locals_, comms = [], [], [], []
     for _ in range(ROUNDS * reps):
-        t_sync = timed(forward_backward)
+        t_sync = _timed(forward_backward, barrier)
         with strategy.no_sync():
-            t_local = timed(forward_backward)
-        t_comm = timed(lambda: strategy.algorithm.all_reduce(grads))
+            t_local = _timed(forward_backward, barrier)
+        t_comm = _timed(lambda: strategy.algorithm.all_reduce(grads), barrier)
         excess.append(max(t_sync - t_local, 0.0))
         ratios.append(max(t_sync - t_local, 0.0) / t_comm)
         locals_.append(t_local)
