@@ -76,17 +76,50 @@ def test_fit_job_where_the_chief_raises_ends_with_the_servers_stopped():
     ("transport", "ending"), [("zmq", "return"), ("grpc", "exit"), ("zmq", "raise")], ids=str
 )
 def test_coordinator_job_without_shutdown_ends_by_itself(transport, ending):
-    env = {"SPREAD_PS_TRANSPORT": transport, "SPREAD_TEST_CHIEF_ENDING": ending}
+    # A failing chief does not wait for workers that never connected (its error comes first): one
+    # that starts late on a loaded machine finds the servers stopped and fails at its init deadline,
+    # naming them (the test below makes that happen every time). 30 s here instead of 120 s.
+    env = {"SPREAD_PS_TRANSPORT": transport, "SPREAD_TEST_CHIEF_ENDING": ending, "SPREAD_INIT_TIMEOUT": "30"}
     runs = run_ps_script(SCRIPTS / "coordinator_ending.py", 3, 2, env=env, timeout=TIMEOUT)
     _assert_all_gone(runs)
-    chief, *others = runs
+    chief, *workers, ps0, ps1 = runs
     assert "last loss" in chief.stdout and "accuracy" in chief.stdout, chief.describe()
     if ending == "raise":
         assert chief.returncode == 1 and "ValueError: the chief failed on purpose" in chief.stderr
+        for worker in workers:  # told to stop, or (started late) told clearly that the servers are gone
+            if worker.returncode != 0:
+                assert "ParameterServerError: parameter server" in worker.stderr, worker.describe()
+            else:
+                _assert_clean(worker)
     else:
         _assert_clean(chief)
-    for run in others:  # the workers were told to stop, the servers were stopped
+        for worker in workers:  # the workers were told to stop
+            _assert_clean(worker)
+    _assert_clean(ps0)  # the servers were stopped
+    _assert_clean(ps1)
+
+
+def test_a_coordinator_worker_that_starts_after_a_failing_chief_ends_at_its_deadline_naming_the_servers(
+    tmp_path,
+):
+    """Worker 1 starts only once the chief has finished the work; the chief then raises and stops the
+    servers without waiting for it. The late worker cannot tell stopped servers from ones not started
+    yet, so it waits for them until its init deadline (plus one call's timeout) and fails naming the
+    server: never a hang."""
+    env = {
+        "SPREAD_TEST_LATE_DIR": str(tmp_path),
+        "SPREAD_TEST_CHIEF_ENDING": "raise",
+        "SPREAD_INIT_TIMEOUT": "10",
+    }
+    runs = run_ps_script(SCRIPTS / "coordinator_ending.py", 3, 2, env=env, timeout=TIMEOUT)
+    _assert_all_gone(runs)
+    chief, worker0, worker1, ps0, ps1 = runs
+    assert chief.returncode == 1 and "ValueError: the chief failed on purpose" in chief.stderr
+    for run in (worker0, ps0, ps1):
         _assert_clean(run)
+    assert worker1.returncode == 1, worker1.describe()
+    assert "ParameterServerError: parameter server" in worker1.stderr, worker1.describe()
+    assert "not reachable" in worker1.stderr, worker1.describe()
 
 
 def test_a_coordinator_worker_that_starts_after_all_the_work_is_still_told_to_stop(tmp_path):
