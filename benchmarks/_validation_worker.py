@@ -3,7 +3,9 @@
 Run as every rank of a job (``spread run -n N``) or as one process for in-process strategies. The
 loop is the custom-loop path users write: ``distribute_dataset``, ``strategy.run``, optimizer step.
 The chief writes ``{"step_seconds": median, "steps": [...]}`` as JSON to ``--output`` (under a
-parameter-server job, the chief's own steps: each worker steps on its share of the global batch).
+parameter-server job, the chief's own steps: each worker steps on its share of the global batch;
+with ``--sync-dir`` the training tasks start their timed steps together, see
+:func:`_wait_for_each_other`, and each leaves its timed window there).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,6 +60,22 @@ def _strategy(args: argparse.Namespace) -> spread.Strategy:
     raise SystemExit(f"validation worker: strategy {args.strategy!r} is not measured by this worker")
 
 
+def _wait_for_each_other(folder: str, rank: int, tasks: int, timeout: float = 120.0) -> None:
+    """Start the timed steps of every training task of an asynchronous job at the same moment.
+
+    Nothing synchronises them (no collective, no barrier in an asynchronous parameter-server job),
+    and their start times differ by seconds of importing torch when processes outnumber cores: the
+    chief's steps then ran partly with fewer tasks competing for the cores, and measured 128-286 ms
+    for one configuration across three rounds. A file per task in a folder all of them see.
+    """
+    Path(folder, f"ready-{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(Path(folder).glob("ready-*"))) < tasks:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"validation worker: rank {rank}: the other training tasks never got ready")
+        time.sleep(0.005)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True)
@@ -71,6 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--sync-dir", default=None, help="parameter servers: start timing together")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,11 +109,15 @@ def main() -> None:
             return loss.detach()
 
         times = []
+        timed_from = 0.0
         for i, batch in enumerate(data):
             if i == args.warmup and hasattr(strategy, "collectives"):
                 strategy.collectives.barrier()
             elif i == args.warmup and hasattr(strategy, "world"):
                 strategy.world.barrier()
+            elif i == args.warmup and args.sync_dir and isinstance(strategy, spread.ParameterServerStrategy):
+                _wait_for_each_other(args.sync_dir, strategy.rank, strategy.num_workers)
+                timed_from = time.monotonic()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             if args.strategy == "pipeline":
@@ -103,6 +127,10 @@ def main() -> None:
             optimizer.step()
             times.append(time.perf_counter() - start)
         measured = times[args.warmup :]
+        if args.sync_dir and isinstance(strategy, spread.ParameterServerStrategy):
+            # system-wide clock (Linux CLOCK_MONOTONIC): windows of different processes compare
+            window = {"start": timed_from, "end": time.monotonic(), "steps": len(measured)}
+            Path(args.sync_dir, f"window-{strategy.rank}.json").write_text(json.dumps(window))
         if strategy.is_chief:
             with open(args.output, "w") as f:
                 json.dump({"step_seconds": statistics.median(measured), "steps": measured}, f)
