@@ -1,14 +1,15 @@
-"""``benchmarks/plan_validation.py``'s scoring: which configuration a cell's measured best is, and what
-``--confirm``'s re-measured rounds replace."""
+"""``benchmarks/plan_validation.py``'s scoring: which configuration a cell's measured best is, what
+``--confirm``'s re-measured rounds replace, and how an asynchronous job's step is read."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from plan_validation import _cells  # noqa: E402
+from plan_validation import _cells, _job_step_seconds  # noqa: E402
 
 
 def _row(config: str, measured: float, rate: float, **extra) -> dict:
@@ -73,3 +74,23 @@ def test_a_failed_round_is_left_out_of_the_pairs_and_unconfirmed_cells_fall_back
     assert abs(_score(rows)["paired_behind"] - 100 / 99 + 1) < 1e-9  # round 2 unpaired
     plain = _score([_row("a", 104.0, 10.0), _row("b", 100.0, 9.0)])
     assert plain["paired_behind"] is None and plain["paired_close"] == plain["close"]
+
+
+def _window(folder: Path, rank: int, start: float, end: float, steps: int = 5) -> None:
+    (folder / f"window-{rank}.json").write_text(json.dumps({"start": start, "end": end, "steps": steps}))
+
+
+def test_a_parameter_server_jobs_step_is_its_tasks_common_window_over_the_steps(tmp_path):
+    """The chief alone (1.0 s for 5 steps) would read 0.2 s; the job ran from 100.0 to 101.5."""
+    _window(tmp_path, 0, 100.0, 101.0)
+    _window(tmp_path, 1, 100.02, 101.5)
+    _window(tmp_path, 2, 100.01, 101.2)
+    assert _job_step_seconds(str(tmp_path), 3) == (101.5 - 100.0) / 5
+
+
+def test_a_parameter_server_job_with_a_task_missing_or_uneven_is_not_measured(tmp_path):
+    _window(tmp_path, 0, 100.0, 101.0)
+    _window(tmp_path, 1, 100.0, 101.2)
+    assert _job_step_seconds(str(tmp_path), 3) is None
+    _window(tmp_path, 2, 100.0, 101.2, steps=4)
+    assert _job_step_seconds(str(tmp_path), 3) is None
