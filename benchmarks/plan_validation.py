@@ -123,8 +123,8 @@ def _job_step_seconds(folder: str, tasks: int) -> float | None:
     tasks started timing together to the moment the last one finished, over the steps each took.
 
     Not the chief's median step: no task waits for another, so the scheduler may give one task more
-    than its share of the cores; the chief's steps then read fast while the others' read slow (CNN
-    at 4 processes: 160-230 ms in three rounds, the job's rate unchanged). The tasks step on equal
+    than its share of the cores, and the chief's steps say nothing of the others' (CNN at 4
+    processes: the chief's median read 128-286 ms across three rounds). The tasks step on equal
     shares of each global batch, so ``steps`` of them make ``steps`` global batches.
     """
     windows = [json.loads(path.read_text()) for path in Path(folder).glob("window-*.json")]
