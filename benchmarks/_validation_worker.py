@@ -110,12 +110,13 @@ def main() -> None:
 
         times = []
         timed_from = last_step_end = 0.0
+        tasks_time_together = bool(args.sync_dir) and isinstance(strategy, spread.ParameterServerStrategy)
         for i, batch in enumerate(data):
             if i == args.warmup and hasattr(strategy, "collectives"):
                 strategy.collectives.barrier()
             elif i == args.warmup and hasattr(strategy, "world"):
                 strategy.world.barrier()
-            elif i == args.warmup and args.sync_dir and isinstance(strategy, spread.ParameterServerStrategy):
+            elif i == args.warmup and tasks_time_together:
                 _wait_for_each_other(args.sync_dir, strategy.rank, strategy.num_workers)
                 timed_from = time.monotonic()
             start = time.perf_counter()
@@ -128,7 +129,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
             last_step_end = time.monotonic()  # not after the loop: the data's end is no step
         measured = times[args.warmup :]
-        if args.sync_dir and isinstance(strategy, spread.ParameterServerStrategy):
+        if tasks_time_together:
             # system-wide clock (Linux CLOCK_MONOTONIC): windows of different processes compare
             window = {"start": timed_from, "end": last_step_end, "steps": len(measured)}
             Path(args.sync_dir, f"window-{strategy.rank}.json").write_text(json.dumps(window))
