@@ -10,6 +10,8 @@ the CPU's only by summation order.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -328,3 +330,59 @@ def test_more_processes_than_gpus_fails_clearly_before_nccl():
     assert not any(r.ok for r in results)
     for r in results:
         assert "2 processes on this machine but 1 GPU" in r.describe(), r.describe()
+
+
+# --- ShardedStrategy backups hold CUDA tensors: resumed on the GPU and on two CPU ranks ---
+
+
+class _CrashAtStep(spread.callbacks.Callback):
+    def on_train_batch_end(self, step, logs=None):
+        if self.trainer.global_step == 10:
+            raise RuntimeError("simulated crash")
+
+
+def _sharded_fit(shard: str, directory: str, *, crash: bool = False) -> dict:
+    """Two epochs of 6 steps with a backup every 3; returns the one-device weights, on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    strategy = spread.ShardedStrategy(shard)
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 3))
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        device = next(model.parameters()).device.type
+        backup = spread.callbacks.BackupAndRestore(directory, save_freq=3)
+        callbacks = [backup, *([_CrashAtStep()] if crash else [])]
+        loss_fn = nn.CrossEntropyLoss()
+        trainer = spread.Trainer(model, optimizer, loss_fn, strategy=strategy, callbacks=callbacks)
+        x, y = _data()
+        trainer.fit((x[:96], y[:96]), epochs=2, global_batch_size=16, seed=7, verbose=0)
+        weights = {k: v.detach().cpu().clone() for k, v in strategy.model_state_dict(model).items()}
+        return {"device": device, "restored": backup.restored_step, "weights": weights}
+    finally:
+        strategy.close()
+
+
+def _sharded_crash(shard: str, directory: str) -> str:
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _sharded_fit(shard, directory, crash=True)
+    return "crashed"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("shard", ["optimizer", "parameters"])
+def test_a_sharded_backup_written_on_the_gpu_resumes_there_and_on_two_cpu_ranks(shard, tmp_path, monkeypatch):
+    """DCP writes each rank's CUDA shards; the restore places them on whatever device the ranks use."""
+
+    (reference,) = run_ranks(_sharded_fit, 1, args=(shard, str(tmp_path / "ref")), timeout=240)
+    assert reference["device"] == "cuda"
+    run_ranks(_sharded_crash, 1, args=(shard, str(tmp_path / "run")), timeout=240)
+    shutil.copytree(tmp_path / "run", tmp_path / "cpu")
+    (on_gpu,) = run_ranks(_sharded_fit, 1, args=(shard, str(tmp_path / "run")), timeout=240)
+    assert on_gpu["restored"] == 9
+    assert _max_relative_difference(on_gpu["weights"], reference["weights"]) < 1e-6
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks start with no GPU
+    on_cpus = run_ranks(_sharded_fit, 2, args=(shard, str(tmp_path / "cpu")), timeout=240)
+    for rank, result in enumerate(on_cpus):
+        assert result["device"] == "cpu" and result["restored"] == 9, rank
+        assert _max_relative_difference(result["weights"], reference["weights"]) < TOLERANCE, rank
