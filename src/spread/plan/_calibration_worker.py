@@ -5,8 +5,9 @@ reused), and the reduce-scatter and all-gather ShardedStrategy runs (fitted as t
 link), times one push per size on the parameter servers' transport (rank 0 to a server on rank
 1), then measures how much of the gradient exchange the real strategy hides behind backward:
 an MLP step with the exchange (``t_sync``) and without it (``no_sync``: ``t_local``), and the bare
-all-reduce of its gradients (``t_comm``); the overlap is the ``eta`` for which
-:func:`spread.plan.costs.exposed_communication` explains ``t_sync - t_local``; last, how long a
+all-reduce of its gradients (``t_comm``), and a local step followed by an all-reduce of one float
+(what the ranks lose meeting, ``sync_wait``); the overlap is the ``eta`` for which
+:func:`spread.plan.costs.exposed_communication` explains ``t_sync - t_local - sync_wait``; last, how long a
 message takes to wake a waiting peer while every core is busy (``busy_handoff``). Rank 0 writes JSON.
 """
 
@@ -46,10 +47,14 @@ def _median_seconds(fn, reps: int, barrier) -> float:
     return statistics.median(_timed(fn, barrier) for _ in range(reps))
 
 
-def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, float]:
-    """``(overlap, collective_in_step)``: the overlap that explains the exposed exchange of a real
-    step, and, when even none explains it (the exchange inside the step takes longer than the bare
-    all-reduce alone: memory traffic of the step, ranks arriving apart), by how much longer."""
+def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, float, float]:
+    """``(overlap, collective_in_step, sync_wait)`` of a real step's gradient exchange.
+
+    ``sync_wait``: what a step loses where the ranks meet, whatever the bytes (ranks finishing their
+    backward apart, each woken when the last arrives): a local step followed by the all-reduce of
+    one float, less that all-reduce alone. The rest of the exchange's cost is bytes: ``overlap`` is
+    the share hidden behind backward that explains it, and ``collective_in_step`` how much longer
+    it takes than the bare all-reduce when even none is hidden (memory traffic of the step)."""
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Sequential(
@@ -66,27 +71,40 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, f
         with torch.no_grad():
             model(x)
 
+    token = torch.ones(1)
+
+    def local_step_then_meet() -> None:
+        with strategy.no_sync():
+            forward_backward()
+        strategy.algorithm.all_reduce(token)
+
     barrier = strategy.collectives.barrier
     grads = torch.ones(sum(p.numel() for p in model.parameters()))
 
-    # A step with the exchange, one without and the bare all-reduce, back to back, many times: the
-    # step's excess over the bare all-reduce is a difference of two noisy timings, so each is paired
-    # with its neighbours (medians of whole blocks read it anywhere from 1.4x to 3.7x in five
-    # calibrations minutes apart on the 2-core VM; see docs/results/2026-11-26-planner-handoffs.md).
+    # Each timing is paired with its neighbours, many times: the step's excess over the bare
+    # all-reduce is a difference of two noisy timings (medians of whole blocks read it anywhere
+    # from 1.4x to 3.7x in five calibrations minutes apart on the 2-core VM; see
+    # docs/results/2026-11-26-planner-handoffs.md).
     forward_backward()
-    excess, ratios, locals_, comms = [], [], [], []
+    excess, waits, locals_, comms = [], [], [], []
     for _ in range(ROUNDS * reps):
         t_sync = _timed(forward_backward, barrier)
         with strategy.no_sync():
             t_local = _timed(forward_backward, barrier)
+        t_meet = _timed(local_step_then_meet, barrier)
+        t_token = _timed(lambda: strategy.algorithm.all_reduce(token), barrier)
         t_comm = _timed(lambda: strategy.algorithm.all_reduce(grads), barrier)
         excess.append(max(t_sync - t_local, 0.0))
-        ratios.append(max(t_sync - t_local, 0.0) / t_comm)
+        waits.append(max(t_meet - t_local - t_token, 0.0))
         locals_.append(t_local)
         comms.append(t_comm)
     t_forward = _median_seconds(forward, reps, barrier)
-    exposed, t_local, t_comm = (statistics.median(v) for v in (excess, locals_, comms))
-    in_step = max(1.0, statistics.median(ratios))
+    sync_wait = statistics.median(waits)
+    in_step = max(
+        1.0, statistics.median(max(e - sync_wait, 0.0) / c for e, c in zip(excess, comms, strict=True))
+    )
+    exposed = max(statistics.median(excess) - sync_wait, 0.0)
+    t_local, t_comm = statistics.median(locals_), statistics.median(comms)
     backward = max(t_local - t_forward, 1e-9)
     buckets = [t_comm]  # the MLP's 4.2 MB of gradients fit in one 25 MB bucket
     lo, hi = 0.0, 1.0
@@ -96,7 +114,7 @@ def _overlap(strategy: MultiWorkerMirroredStrategy, reps: int) -> tuple[float, f
             lo = mid
         else:
             hi = mid
-    return round((lo + hi) / 2, 3), round(in_step, 3)
+    return round((lo + hi) / 2, 3), round(in_step, 3), sync_wait
 
 
 def _busy_handoff(strategy: MultiWorkerMirroredStrategy, reps: int) -> float:
@@ -232,7 +250,7 @@ def main() -> None:
                 algorithm.close()
         sizes = [int(s) for s in args.sizes.split(",")]
         samples["shard"] = _shard_collective_samples(strategy, sizes, args.reps)
-        overlap, in_step = _overlap(strategy, args.reps)
+        overlap, in_step, sync_wait = _overlap(strategy, args.reps)
         handoff = _busy_handoff(strategy, args.reps)
         ps_samples = _ps_transport_samples(strategy, sizes, args.reps) if n >= 2 else []
         if strategy.is_chief:
@@ -244,6 +262,7 @@ def main() -> None:
                         "ps": ps_samples,
                         "overlap": overlap,
                         "collective_in_step": in_step,
+                        "sync_wait": sync_wait,
                         "busy_handoff": handoff,
                         "ranks": n,
                     },

@@ -4,7 +4,7 @@ Schema (version 1)::
 
     {"schema": 1, "machine": "...", "measured_at": "...", "device_type": "cpu", "devices": 2,
      "memory_per_device": 25769803776, "memory_bandwidth": 1.6e10, "matmul_flops": 7.1e10,
-     "overlap": 0.5, "collective_in_step": 1.4, "busy_handoff": 0.002,
+     "overlap": 0.5, "collective_in_step": 1.4, "sync_wait": 0.004, "busy_handoff": 0.002,
      "links": {"native": {"alpha": 6e-4, "beta": 7.8e8}, "shm": {...}, ...},
      "samples": {"native": [[bytes, seconds, ranks], ...], ...}}
 
@@ -46,6 +46,9 @@ class CalibrationProfile:
     # how much longer the exchange takes inside a training step than the same all-reduce timed
     # alone (>= 1; measured when nothing of it overlaps backward: ~2x on the 2-core VM)
     collective_in_step: float = 1.0
+    # seconds a synchronous step loses where its ranks meet, whatever the bytes (ranks finishing
+    # apart, woken when the last arrives): ~4-6 ms per step on the 2-core VM; 0 where not measured
+    sync_wait: float = 0.0
     # one-way seconds for a message to wake a peer that waits for it while every core is busy
     # (a pipeline stage on a node with more busy processes than cores; 0 where not measured)
     busy_handoff: float = 0.0
@@ -65,6 +68,7 @@ class CalibrationProfile:
             "matmul_flops": self.matmul_flops,
             "overlap": self.overlap,
             "collective_in_step": self.collective_in_step,
+            "sync_wait": self.sync_wait,
             "busy_handoff": self.busy_handoff,
             "links": {name: {"alpha": link.alpha, "beta": link.beta} for name, link in self.links.items()},
             "samples": self.samples,
@@ -111,6 +115,12 @@ class CalibrationProfile:
             raise CalibrationError(
                 f"{source}: field 'collective_in_step' must be a number >= 1, got {in_step!r}"
             )
+        sync_wait = data.get("sync_wait", 0.0)  # older profiles: not measured
+        seconds = isinstance(sync_wait, int | float) and not isinstance(sync_wait, bool)
+        if not seconds or not 0.0 <= sync_wait < 1.0:
+            raise CalibrationError(
+                f"{source}: field 'sync_wait' must be a number of seconds in [0, 1), got {sync_wait!r}"
+            )
         handoff = data.get("busy_handoff", 0.0)  # older profiles: not measured
         if isinstance(handoff, bool) or not isinstance(handoff, int | float) or not 0.0 <= handoff < 1.0:
             raise CalibrationError(
@@ -128,6 +138,7 @@ class CalibrationProfile:
             links=links,
             overlap=overlap,
             collective_in_step=float(in_step),
+            sync_wait=float(sync_wait),
             busy_handoff=float(handoff),
             device_type=str(data.get("device_type", "cpu")),
             measured_at=str(data.get("measured_at", "")),

@@ -40,6 +40,7 @@ class ClusterModel:
     compute_scale: float = 1.0  # a device's speed relative to where the model was profiled
     overlap: float = 1.0  # how much of communication runs concurrently with backward (0..1)
     collective_in_step: float = 1.0  # the exchange inside a step over the same collective alone (>= 1)
+    sync_wait: float = 0.0  # seconds a synchronous step loses where its ranks meet, whatever the bytes
     server_apply_bytes_per_s: float = 4e9  # a parameter server applying an update (memory bound)
     busy_handoff: float = 0.0  # seconds to wake a waiting process when every core is busy (CPU)
     cores_per_node: int | None = None  # CPU devices: processes on a node share these cores
@@ -62,6 +63,8 @@ class ClusterModel:
             )
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if not 0.0 <= self.sync_wait < 1.0:
+            raise ValueError(f"sync_wait must be in [0, 1) seconds, got {self.sync_wait!r}")
         if not 0.0 <= self.busy_handoff < 1.0:
             raise ValueError(f"busy_handoff must be in [0, 1) seconds, got {self.busy_handoff!r}")
         if not self.collective_in_step >= 1.0:
@@ -116,6 +119,7 @@ class ClusterModel:
             inter=inter or profile.links.get("network", DEFAULT_INTER),
             overlap=profile.overlap,
             collective_in_step=profile.collective_in_step,
+            sync_wait=profile.sync_wait,
             server_apply_bytes_per_s=profile.memory_bandwidth,
             busy_handoff=profile.busy_handoff,
             cores_per_node=profile.devices if profile.device_type == "cpu" else None,

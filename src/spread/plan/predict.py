@@ -189,6 +189,26 @@ def _allreduce(cluster: ClusterModel, algorithm: str, nbytes: float, n: int) -> 
     return allreduce_time(algorithm, nbytes, n, cluster.link(algorithm))
 
 
+def _meetings(p: ModelProfile, cl: ClusterModel, n: int, per_node: int) -> float:
+    """What a synchronous multi-process step loses where its ``n`` ranks meet, beyond the bytes.
+
+    Ranks finish their backward apart and each is woken when the last one arrives: the
+    calibration's ``sync_wait``, time-sliced past one process per core. (At 2 processes on the
+    2-core VM, six families' exchanges took 1-6 ms more than their bytes' prediction; a ResNet's
+    0.7 ms all-reduce took 4-7.)
+    Once at the gradient exchange, and once more where the model has buffers (BatchNorm
+    statistics): MultiWorkerMirrored and ShardedStrategy average them in one more all-reduce after
+    every optimizer step (a ResNet's update measured 5-7 ms in a job against 0.9 ms alone).
+    """
+    if n < 2:
+        return 0.0
+    sliced = _core_share(cl, per_node, None)[1]
+    if p.buffer_bytes <= 0:
+        return cl.sync_wait * sliced
+    buffers = _allreduce(cl, "native", p.buffer_bytes, n) * sliced * cl.collective_in_step
+    return 2 * cl.sync_wait * sliced + buffers
+
+
 def predict(
     candidate: Candidate, profile: ModelProfile, cluster: ClusterModel, options: Options
 ) -> Prediction:
@@ -248,7 +268,7 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         buckets = [_allreduce(cl, algorithm, b, n) * sliced for b in sizes]
         comm_total = sum(buckets)
         ready = bucket_ready_fractions(sizes, p.gradient_arrival)
-        exposed = exposed_communication(backward, buckets, cl.overlap, ready)
+        exposed = exposed_communication(backward, buckets, cl.overlap, ready) + _meetings(p, cl, n, per_node)
     # Thread replicas apply one update while the other replicas wait, but at the process's thread
     # count, which MirroredStrategy sets to the replicas' share of the cores (one thread each at as
     # many replicas as cores: MLP's Adam 5.2 ms against 2.5 ms at 2 threads). Separate processes each
@@ -297,6 +317,7 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     else:
         gathers = exposed_gather = gather_once
     opt = _optimizer(p, cl, per_node, per_node) / n
+    exposed_reduce += _meetings(p, cl, n, per_node)
     step = compute + exposed_reduce + exposed_gather + opt
     memory = sharded_memory(
         p.param_bytes,

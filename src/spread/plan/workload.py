@@ -72,6 +72,9 @@ class ModelProfile:
     # one weight pass per module: spread.pipeline.split_backward) makes forward+backward than one
     # ordinary backward, measured on the blocks after the first (what a later stage runs)
     split_backward: dict[int, float] = field(default_factory=dict)
+    # bytes of the model's buffers (BatchNorm statistics): multi-process data parallelism averages
+    # them in one more all-reduce after every optimizer step
+    buffer_bytes: float = 0.0
 
     def contention_factor(self, replicas: int) -> float:
         """How much slower each of ``replicas`` concurrent replicas computes than one alone would.
@@ -197,6 +200,7 @@ def measure_model(
     work.train()
     params = [p for p in work.parameters() if p.requires_grad]
     param_bytes = float(sum(p.numel() * p.element_size() for p in work.parameters()))
+    buffer_bytes = float(sum(b.numel() * b.element_size() for b in work.buffers()))
 
     sparse_bytes = sparse_row_bytes = 0.0
     touched: list[torch.Tensor] = []
@@ -306,6 +310,7 @@ def measure_model(
     profile = ModelProfile(
         name=name or type(model).__name__,
         param_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
         sparse_bytes=sparse_bytes,
         sparse_row_bytes=sparse_row_bytes,
         sparse_rows_per_sample=rows,
