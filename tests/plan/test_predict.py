@@ -393,6 +393,50 @@ def test_the_exchange_costs_what_the_calibration_measured_inside_a_step():
         assert in_step.parts["communication"] == pytest.approx(2 * alone.parts["communication"])
 
 
+def test_a_synchronous_step_pays_the_calibrated_meeting_and_the_buffer_average():
+    """Where the ranks meet (the gradient exchange), a step loses the calibration's sync_wait beyond
+    the bytes, time-sliced past a process per core; a model with buffers pays a second meeting and
+    the all-reduce of its buffers after the update. Thread replicas and one process meet nobody."""
+    options = Options(global_batch=100)
+    waiting = _cluster(sync_wait=0.004)
+    for c in (
+        Candidate("multi_worker_mirrored", 2, (("communication", "shm"),)),
+        Candidate("sharded", 2, (("shard", "parameters"),)),
+    ):
+        base = predict(c, _profile(), _cluster(), options)
+        met = predict(c, _profile(), waiting, options)
+        assert met.step_seconds == pytest.approx(base.step_seconds + 0.004)
+        assert met.parts["exposed"] == pytest.approx(base.parts["exposed"] + 0.004)
+        # 1 MB of BatchNorm statistics: a second meeting and 1 MB on the native link (100 MB/s, 2 ranks:
+        # 2 x 1/2 of the bytes = 10 ms)
+        buffered = predict(c, _profile(buffer_bytes=1 * MB), waiting, options)
+        assert buffered.step_seconds == pytest.approx(base.step_seconds + 2 * 0.004 + 0.01)
+        crowded = _cluster(devices_per_node=4, sync_wait=0.004)
+        four = Candidate(c.strategy, 4, c.settings)
+        sliced = predict(four, _profile(), crowded, options).step_seconds
+        assert sliced == pytest.approx(
+            predict(four, _profile(), _cluster(devices_per_node=4), options).step_seconds + 2 * 0.004
+        )
+    for c in (Candidate("mirrored", 2), Candidate("one_device", 1)):
+        buffered = _profile(buffer_bytes=1 * MB)
+        assert predict(c, buffered, waiting, options).step_seconds == pytest.approx(
+            predict(c, _profile(), _cluster(), options).step_seconds
+        )
+    with pytest.raises(ValueError, match="sync_wait"):
+        _cluster(sync_wait=-0.001)
+
+
+def test_the_profile_counts_the_models_buffers_and_takes_batchnorm_at_a_small_batch():
+    """16 samples: the smallest timed batch (1/16 of it) is still 2, which BatchNorm trains on."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    profile = measure_model(model, nn.CrossEntropyLoss(), x, y, threads=[1], repeats=1)
+    # running mean and variance (16 floats each) and the batch counter (one int64)
+    assert profile.buffer_bytes == 16 * 4 * 2 + 8
+    plain = measure_model(nn.Linear(8, 2), nn.CrossEntropyLoss(), x, y, threads=[1], repeats=1)
+    assert plain.buffer_bytes == 0.0
+
+
 def test_zero_bubble_pays_its_measured_split_backward():
     """A zero-bubble stage runs an input pass and a weight pass per module: the profile's measured
     slowdown at the nearest micro-batch size scales its compute; 1F1B does not pay it."""
