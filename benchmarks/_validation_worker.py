@@ -112,9 +112,9 @@ def main() -> None:
         timed_from = last_step_end = 0.0
         tasks_time_together = bool(args.sync_dir) and isinstance(strategy, spread.ParameterServerStrategy)
         for i, batch in enumerate(data):
-            if i == args.warmup and hasattr(strategy, "collectives"):
-                strategy.collectives.barrier()
-            elif i == args.warmup and hasattr(strategy, "world"):
+            if i == args.warmup and isinstance(strategy, spread.MultiWorkerMirroredStrategy):
+                strategy.collectives.barrier()  # ShardedStrategy too (a subclass)
+            elif i == args.warmup and isinstance(strategy, spread.PipelineStrategy):
                 strategy.world.barrier()
             elif i == args.warmup and tasks_time_together:
                 _wait_for_each_other(args.sync_dir, strategy.rank, strategy.num_workers)
