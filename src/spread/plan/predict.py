@@ -194,11 +194,11 @@ def _meetings(p: ModelProfile, cl: ClusterModel, n: int, per_node: int) -> float
 
     Ranks finish their backward apart and each is woken when the last one arrives: the
     calibration's ``sync_wait``, time-sliced past one process per core. (At 2 processes on the
-    2-core VM, six families' exchanges took 1-6 ms more than their bytes' prediction; a ResNet's
-    0.7 ms all-reduce took 4-7.)
+    2-core VM, six families' exchanges took 1-7 ms more than their bytes' prediction; a ResNet's
+    exchange, 0.7 ms predicted, took 8.)
     Once at the gradient exchange, and once more where the model has buffers (BatchNorm
     statistics): MultiWorkerMirrored and ShardedStrategy average them in one more all-reduce after
-    every optimizer step (a ResNet's update measured 5-7 ms in a job against 0.9 ms alone).
+    every optimizer step (a ResNet's update took 2.7 ms in a job with it, 0.9 without).
     """
     if n < 2:
         return 0.0
