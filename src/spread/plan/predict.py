@@ -205,8 +205,8 @@ def _meetings(p: ModelProfile, cl: ClusterModel, n: int, per_node: int) -> float
     sliced = _core_share(cl, per_node, None)[1]
     if p.buffer_bytes <= 0:
         return cl.sync_wait * sliced
-    buffers = _allreduce(cl, "native", p.buffer_bytes, n) * sliced * cl.collective_in_step
-    return 2 * cl.sync_wait * sliced + buffers
+    averaging = _allreduce(cl, "native", p.buffer_bytes, n) * cl.collective_in_step
+    return (2 * cl.sync_wait + averaging) * sliced
 
 
 def predict(

@@ -243,9 +243,9 @@ def measure_model(
     compute: dict[int, tuple[float, float]] = {}
     optimizer_by_threads: dict[int, float] = {}
     opt = same_optimizer(optimizer, params) if optimizer is not None else None
-    # at least 2 samples: BatchNorm refuses to train on one (a user's batch of 16 crashed the profile)
-    small = max(2, batch // 4)
-    sizes = sorted({max(2, batch // 16), small, batch})
+    # at least 2 samples: BatchNorm refuses to train on one
+    smallest, small = max(2, batch // 16), max(2, batch // 4)
+    sizes = sorted({smallest, small, batch})
     curves: dict[int, tuple[tuple[float, float], ...]] = {}
     thread_counts = sorted({int(t) for t in threads})
     most = thread_counts[-1]
@@ -265,7 +265,7 @@ def measure_model(
         if opt is not None:  # each process steps its optimizer at its own share of the cores
             calls[("optimizer", t)] = opt.step
     calls[("forward", most)] = forward_only
-    split_sizes = sorted({max(2, batch // 16), small})
+    split_sizes = sorted({smallest, small})
     split_steps = _split_backward_steps(work, loss_fn, inputs, targets, split_sizes)
     for n, (plain, split) in split_steps.items():
         calls[("plain_later_blocks", most, n)] = plain
