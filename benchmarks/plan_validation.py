@@ -135,11 +135,21 @@ def _job_step_seconds(folder: str, tasks: int) -> float | None:
     return (end - start) / windows[0]["steps"]
 
 
+# a profile's measured tables, replica or thread count -> factor or seconds
+_FACTOR_TABLES = (
+    "contention",
+    "slowest_contention",
+    "optimizer_contention",
+    "in_process",
+    "optimizer_by_threads",
+)
+
+
 def _profile_from_json(data: dict) -> ModelProfile:
     """The :class:`ModelProfile` that ``asdict`` wrote (JSON turned int keys and tuples into str/lists)."""
     data = dict(data)
     data["compute"] = {int(k): tuple(v) for k, v in data["compute"].items()}
-    for table in ("contention", "optimizer_by_threads", "optimizer_contention", "in_process"):
+    for table in _FACTOR_TABLES:
         data[table] = {int(k): float(v) for k, v in data.get(table, {}).items()}
     data["split_backward"] = {int(k): float(v) for k, v in data.get("split_backward", {}).items()}
     data["compute_curve"] = {
@@ -154,7 +164,7 @@ def _profile_from_json(data: dict) -> ModelProfile:
 
 def _factors(profile: ModelProfile) -> str:
     """The measured slowdown factors and optimizer times of ``profile``, for the log."""
-    tables = ("contention", "optimizer_contention", "in_process", "optimizer_by_threads")
+    tables = _FACTOR_TABLES
     return "; ".join(
         f"{t} {{{', '.join(f'{k}: {v:.3g}' for k, v in getattr(profile, t).items())}}}" for t in tables
     )

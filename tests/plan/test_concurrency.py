@@ -38,6 +38,8 @@ def test_contention_is_measured_for_each_replica_count_and_never_below_one():
     assert profile.contention_factor(1) == 1.0
     assert profile.contention_factor(3) == profile.contention[3]
     assert profile.contention_factor(7) == profile.contention[3]  # past the largest: the largest
+    assert sorted(profile.slowest_contention) == [2, 3]
+    assert all(profile.slowest_contention[k] >= profile.contention[k] for k in (2, 3))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -191,6 +193,44 @@ def test_one_thread_replicas_are_measured_as_processes_by_default(monkeypatch):
     assert used == [2]
     concurrency.paired_slowdown(lambda: None, [lambda: None] * 2, threads=2, repeats=1, cores=4)
     assert used == [2]  # two threads per replica: a forked child cannot run them (GNU OpenMP), threads do
+
+
+def test_the_slowest_replica_of_each_round_is_measured_beside_the_typical_one(monkeypatch):
+    import spread.plan.concurrency as concurrency
+
+    # alone 1.0 s; together 1.0, 1.2 and 1.6 s in every round: each (median) 1.2x, the slowest 1.6x
+    def fake(alone, together, repeats):
+        return [1.0] * repeats, [[1.0, 1.6, 1.2]] * repeats
+
+    monkeypatch.setattr(concurrency, "forked_rounds", fake)
+    measured = concurrency.paired_slowdowns(print, [print] * 3, threads=1, repeats=3, cores=4)
+    assert measured == (pytest.approx(1.2), pytest.approx(1.6))
+    assert concurrency.paired_slowdown(print, [print] * 3, threads=1, repeats=3, cores=4) == pytest.approx(
+        1.2
+    )
+    # three on two cores: 1.5x is time-slicing, none of it contention for the typical one; the
+    # slowest still finishes 1.6 / 1.2 after its round's median
+    on_two = concurrency.paired_slowdowns(print, [print] * 3, threads=1, repeats=3, cores=2)
+    assert on_two == (1.0, pytest.approx(1.6 / 1.2))
+
+
+def test_contention_rounds_for_the_slowest_are_more_than_for_a_median(monkeypatch):
+    import spread.plan.concurrency as concurrency
+
+    rounds_asked = []
+
+    def fake(alone, together, repeats):
+        rounds_asked.append(repeats)
+        return [1.0] * repeats, [[1.0] * len(together)] * repeats
+
+    monkeypatch.setattr(concurrency, "forked_rounds", fake)
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    slowdown = concurrency.measure_contention(
+        toy_profile(batch=8), model, nn.functional.mse_loss, x, y, 2, 2, repeats=3
+    )
+    assert rounds_asked == [7]
+    assert slowdown == (1.0, 1.0)
 
 
 @pytest.mark.parametrize(

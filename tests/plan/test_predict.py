@@ -98,6 +98,28 @@ def test_replicas_slowing_each_other_scale_compute_but_not_the_baseline():
     )
 
 
+def test_synchronous_processes_wait_for_the_slowest_replica():
+    # Each of 2 replicas 1.1x slower than alone, the slower of the two 1.3x: MultiWorkerMirrored's
+    # and ShardedStrategy's ranks meet every step, so their compute is 50 ms * 1.3; Mirrored's thread
+    # replicas keep the typical factor (their in-process factor is measured against it); a
+    # parameter server's workers never wait for each other.
+    p = _profile(contention={2: 1.1}, slowest_contention={2: 1.3})
+    options = Options(global_batch=100)
+    mwm = predict(Candidate("multi_worker_mirrored", 2, (("communication", "shm"),)), p, _cluster(), options)
+    assert mwm.parts["compute"] == pytest.approx(0.05 * 1.3)
+    sharded = predict(Candidate("sharded", 2, (("shard", "optimizer"),)), p, _cluster(), options)
+    assert sharded.parts["compute"] == pytest.approx(0.05 * 1.3)
+    mirrored = predict(Candidate("mirrored", 2), p, _cluster(), options)
+    assert mirrored.parts["compute"] == pytest.approx(0.05 * 1.1)
+    # A profile written before the slowest was measured: the typical factor for all of them.
+    older = replace(p, slowest_contention={})
+    assert older.slowest_contention_factor(2) == 1.1
+    mwm_older = predict(
+        Candidate("multi_worker_mirrored", 2, (("communication", "shm"),)), older, _cluster(), options
+    )
+    assert mwm_older.parts["compute"] == pytest.approx(0.05 * 1.1)
+
+
 def test_each_process_applies_its_own_update_at_its_share_of_the_cores():
     # Update: 20 ms on 1 thread, 10 ms on 2; two processes updating at once each take 1.5x longer;
     # thread replicas of one process compute 1.4x slower than separate processes would.

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -90,7 +90,19 @@ def _together_rounds(
     return rounds
 
 
-def paired_slowdown(
+class Slowdown(NamedTuple):
+    """Slowdowns of replicas stepping at once, each ``>= 1``, time-slicing removed.
+
+    ``each``: a typical replica's (the median over the replicas); ``slowest``: the last to finish,
+    which a synchronous step waits for (its ranks meet at the gradient exchange): ``each`` times how
+    far the last of a round finishes behind that round's median.
+    """
+
+    each: float
+    slowest: float
+
+
+def paired_slowdowns(
     alone: Callable[[], None],
     together: Sequence[Callable[[], None]],
     threads: int,
@@ -98,13 +110,13 @@ def paired_slowdown(
     cores: int,
     *,
     processes: bool | None = None,
-) -> float:
-    """How much slower each of ``together`` runs at once than ``alone`` by itself, >= 1.
+) -> Slowdown:
+    """How much slower ``together`` run at once than ``alone`` by itself: each, and the slowest.
 
     Both are timed in the same rounds (``alone``, then all of ``together`` at once), so the VM's drift
-    within minutes hits both alike; the factor is the median over rounds of (median time together) /
-    (time alone), time-slicing (more steps than ``cores``) removed. ``processes``: run each step in
-    its own forked process (:mod:`spread.plan._forked`), as a multi-process job's replicas run;
+    within minutes hits both alike; ``each`` is the median over rounds of (median time together) /
+    (time alone), time-slicing (more steps than ``cores``) removed. ``processes``: run each
+    step in its own forked process (:mod:`spread.plan._forked`), as a multi-process job's replicas run;
     by default whenever a replica gets one thread and this platform can fork, else as threads.
     """
     if processes is None:
@@ -115,7 +127,7 @@ def paired_slowdown(
         except (TimeoutError, OSError) as exc:  # a child stuck (an OpenMP runtime that cannot fork) or
             # no fork to be had (process or memory limits): threads, as before
             warnings.warn(f"{exc}; measuring contention with threads instead", RuntimeWarning, stacklevel=2)
-            return paired_slowdown(alone, together, threads, repeats, cores, processes=False)
+            return paired_slowdowns(alone, together, threads, repeats, cores, processes=False)
     else:
         alone_times = []
 
@@ -127,7 +139,26 @@ def paired_slowdown(
         rounds = _together_rounds(together, threads, repeats, between=time_alone)
         alone_times = alone_times[1:]  # [0]: the warm-up round's
     ratios = [statistics.median(r) / a for r, a in zip(rounds, alone_times, strict=True)]
-    return _beyond_time_slicing(statistics.median(ratios), len(together), cores)
+    each = _beyond_time_slicing(statistics.median(ratios), len(together), cores)
+    # The slowest against the others of its own round, not against the step alone: the step alone
+    # jitters as much (two ResNet copies: the later 12% after their mean; against the step alone,
+    # whose own rounds spread 87-114 ms, 1.01).
+    behind = statistics.median(max(r) / statistics.median(r) for r in rounds)
+    return Slowdown(each, each * behind)
+
+
+def paired_slowdown(
+    alone: Callable[[], None],
+    together: Sequence[Callable[[], None]],
+    threads: int,
+    repeats: int,
+    cores: int,
+    *,
+    processes: bool | None = None,
+) -> float:
+    """How much slower each of ``together`` runs at once than ``alone`` by itself (see
+    :func:`paired_slowdowns`), >= 1."""
+    return paired_slowdowns(alone, together, threads, repeats, cores, processes=processes).each
 
 
 def _beyond_time_slicing(slowdown: float, replicas: int, cores: int) -> float:
@@ -163,16 +194,19 @@ def measure_contention(
     replicas: int,
     cores: int,
     repeats: int = 3,
-) -> float:
-    """Slowdown of each of ``replicas`` copies of ``model`` doing forward+backward at once.
+) -> Slowdown:
+    """Slowdown of ``replicas`` copies of ``model`` doing forward+backward at once: each, and the slowest.
 
-    Each copy computes ``batch / replicas`` samples with ``cores // replicas`` threads; the factor is
-    their median step over one more copy's step alone, timed in the same rounds.
+    Each copy computes ``batch / replicas`` samples with ``cores // replicas`` threads, against one
+    more copy's step alone, timed in the same rounds. The slowest is what a synchronous job's step
+    waits for: two one-thread ResNet copies each ran as fast as one alone (1.0), but the later of the
+    two finished 12% after their mean (a 2-core VM). An extreme of each round settles more slowly than
+    a median: ``2 * repeats + 1`` rounds.
     """
     _, threads, x, y = _replica_share(profile, inputs, targets, replicas, cores)
     steps = [_backward_step(copy.deepcopy(model), loss_fn, x, y) for _ in range(replicas)]
     alone = _backward_step(copy.deepcopy(model), loss_fn, x, y)
-    return paired_slowdown(alone, steps, threads, repeats, cores)
+    return paired_slowdowns(alone, steps, threads, 2 * repeats + 1, cores)
 
 
 def measure_optimizer_contention(

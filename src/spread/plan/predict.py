@@ -112,6 +112,7 @@ def _compute(
     *,
     concurrent: int = 1,
     in_process: bool = False,
+    synchronous: bool = False,
     busy: float | None = None,
 ) -> float:
     """Forward+backward of ``batch`` samples as ``k`` accumulation micro-steps on one device.
@@ -120,12 +121,17 @@ def _compute(
     threads, more processes than cores run time-sliced (slower by ``processes / cores``), and
     ``concurrent`` replicas computing at the same time also slow each other through the shared
     memory system, by the model's measured :meth:`~ModelProfile.contention_factor` (and, for
-    ``in_process`` thread replicas, :meth:`~ModelProfile.in_process_factor` on top). ``busy``: how
-    many of the processes compute at once when fewer than all do (pipeline stages that mostly wait).
+    ``in_process`` thread replicas, :meth:`~ModelProfile.in_process_factor` on top). ``synchronous``
+    processes meet at every step, so each step lasts as long as the slowest one's:
+    :meth:`~ModelProfile.slowest_contention_factor`. ``busy``: how many of the processes compute at
+    once when fewer than all do (pipeline stages that mostly wait).
     """
     threads, crowding = _core_share(cluster, processes_per_node, busy)
     if cluster.cores_per_node is not None:
-        crowding *= profile.contention_factor(concurrent)
+        if synchronous:
+            crowding *= profile.slowest_contention_factor(concurrent)
+        else:
+            crowding *= profile.contention_factor(concurrent)
         if in_process:
             crowding *= profile.in_process_factor(concurrent)
     return crowding * k * profile.compute_seconds(batch / k, threads) / cluster.compute_scale
@@ -250,7 +256,14 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
     compute = _compute(
-        p, cl, local, per_node, o.accumulation_steps, concurrent=per_node, in_process=in_process
+        p,
+        cl,
+        local,
+        per_node,
+        o.accumulation_steps,
+        concurrent=per_node,
+        in_process=in_process,
+        synchronous=not in_process,
     )
     backward = compute / o.accumulation_steps * p.backward_fraction
     grad_bytes = p.param_bytes
@@ -298,7 +311,7 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     n, shard = c.devices, c.get("shard", "parameters")
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
-    compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node)
+    compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node, synchronous=True)
     backward = compute / o.accumulation_steps * p.backward_fraction
     units = [layer.param_bytes for layer in p.layers if layer.param_bytes > 0] or [p.param_bytes]
     link = cl.shard_link()

@@ -58,6 +58,8 @@ class ModelProfile:
     gradient_arrival: tuple[tuple[float, float], ...] | None = None
     # replicas computing at once -> slowdown of each one's step beyond core sharing (>= 1), measured
     contention: dict[int, float] = field(default_factory=dict)
+    # the same, for the slowest of them (a synchronous step waits for it): >= ``contention``'s
+    slowest_contention: dict[int, float] = field(default_factory=dict)
     # intra-op threads -> seconds of one optimizer step (a process runs it at its share of the cores)
     optimizer_by_threads: dict[int, float] = field(default_factory=dict)
     # replicas stepping their own optimizers at once -> slowdown of each beyond core sharing (>= 1)
@@ -84,6 +86,13 @@ class ModelProfile:
         the caller adds).
         """
         return _factor(self.contention, replicas)
+
+    def slowest_contention_factor(self, replicas: int) -> float:
+        """As :meth:`contention_factor`, for the slowest of ``replicas``: where a synchronous step's
+        ranks meet, each waits for it. Profiles written before it was measured: the typical factor."""
+        if not self.slowest_contention:
+            return self.contention_factor(replicas)
+        return _factor(self.slowest_contention, replicas)
 
     def optimizer_contention_factor(self, replicas: int) -> float:
         """As :meth:`contention_factor`, for ``replicas`` optimizer steps running at once."""
@@ -331,11 +340,13 @@ def measure_model(
     if not counts:
         return profile
     cores = max(threads)
+    computing = {
+        k: measure_contention(profile, work, loss_fn, inputs, targets, k, cores, repeats) for k in counts
+    }
     profile = replace(
         profile,
-        contention={
-            k: measure_contention(profile, work, loss_fn, inputs, targets, k, cores, repeats) for k in counts
-        },
+        contention={k: s.each for k, s in computing.items()},
+        slowest_contention={k: s.slowest for k, s in computing.items()},
     )
     batch_args = (loss_fn, inputs, targets)
     if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):  # what a dataset splits
