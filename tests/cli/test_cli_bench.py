@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spread.cli import _bench_calibrate, _bench_report
+from spread.cli import _bench_report
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,49 +93,19 @@ def test_rerun_replaces_the_generated_section_only(tmp_path):
     assert "second" in text and "first" not in text and text.count(_bench_report.BEGIN) == 1
 
 
-def test_alpha_beta_fit_recovers_a_known_link():
-    alpha, beta = 50e-6, 2e9
-    samples = [(s, alpha + s / beta) for s in (4 << 10, 64 << 10, 1 << 20, 16 << 20)]
-    got_alpha, got_beta = _bench_calibrate.fit_alpha_beta(samples)
-    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
-    with pytest.raises(ValueError, match="two timed sizes"):
-        _bench_calibrate.fit_alpha_beta(samples[:1])
-
-
-def test_profile_document_has_schema_and_every_algorithm():
-    allreduce = {
-        "nprocs": 2,
-        "sizes": [1024, 2048],
-        "seconds": {"native": {"1024": 1e-4, "2048": 1.5e-4}, "shm": {"1024": 1e-5, "2048": 1.2e-5}},
-    }
-    doc = _bench_calibrate.profile(allreduce, machine={"cores": 2}, quick=True, flops=1e10)
-    assert doc["schema_version"] == _bench_calibrate.SCHEMA_VERSION and doc["ranks"] == 2
-    assert set(doc["allreduce"]) == {"native", "shm"}
-    assert all(link["alpha"] >= 0 and link["beta"] > 0 for link in doc["allreduce"].values())
-    assert doc["compute"]["matmul_flops"] == 1e10
-
-
-@pytest.mark.processes
-def test_calibrate_writes_its_own_profile_without_the_planner(tmp_path, monkeypatch):
+def test_a_failed_calibration_is_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
     import argparse
 
     from spread.cli import bench
+    from spread.plan import calibration
 
-    real_import = bench.importlib.import_module
+    def failing(path, *, quick):
+        raise calibration.CalibrationError("the all-reduce calibration job failed with exit code 1")
 
-    def no_planner(name, *args, **kwargs):
-        if name == "spread.plan.calibration":
-            raise ModuleNotFoundError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(bench.importlib, "import_module", no_planner)
-    out = tmp_path / "profile.json"
-    args = argparse.Namespace(calibrate=True, quick=True, output=str(out), benchmarks=None, timeout=240)
-    assert bench.run(args) == 0
-    profile = json.loads(out.read_text())
-    assert profile["schema_version"] == 1 and profile["kind"] == _bench_calibrate.KIND
-    assert {"native", "ring", "shm", "hierarchical", "reduce_to_one"} <= set(profile["allreduce"])
-    assert profile["compute"]["matmul_flops"] > 0
+    monkeypatch.setattr(calibration, "calibrate", failing)
+    args = argparse.Namespace(calibrate=True, quick=True, output=str(tmp_path / "p.json"))
+    assert bench.run(args) == 2
+    assert capsys.readouterr().err == "spread bench: the all-reduce calibration job failed with exit code 1\n"
 
 
 def test_ratios_are_paired_by_round_when_rounds_are_given():

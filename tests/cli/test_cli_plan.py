@@ -128,3 +128,36 @@ def test_factory_name_is_printed_as_written(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "model plan_cnn:factory: " in result.stdout
     assert "🏭" not in result.stdout
+
+
+def test_without_a_profile_a_machine_with_gpus_plans_its_gpus(monkeypatch):
+    """On CUDA the script's default strategy trains on the GPUs: the default cluster is those GPUs
+    (their number and memory), not the machine's cores."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    from spread.cli import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30)
+    )
+    monkeypatch.setattr(plan, "DEFAULT_PROFILE", "no-such-profile.json")
+    args = argparse.Namespace(
+        profile=None,
+        devices=None,
+        nodes=1,
+        memory_gb=None,
+        link_gbps=None,
+        link_latency_us=None,
+        compute_scale=1.0,
+    )
+    cluster, cores = plan._cluster(args)
+    assert (cluster.devices_per_node, cluster.cores_per_node, cores) == (4, None, None)
+    assert cluster.memory_per_device == 80 * 2**30
+    args.devices, args.memory_gb = 8, 16.0  # what the command line says wins
+    cluster, _ = plan._cluster(args)
+    assert (cluster.devices_per_node, cluster.memory_per_device) == (8, 16 * 2**30)

@@ -68,7 +68,9 @@ def _initial_weights() -> dict[str, torch.Tensor]:
     return Net().state_dict()
 
 
-def _custom_loop(strategy: spread.Strategy, *, compiled: bool = False) -> dict[str, torch.Tensor]:
+def _custom_loop(
+    strategy: spread.Strategy, *, compiled: bool = False, data_device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     initial = _initial_weights()
     with strategy.scope():
         model = Net()
@@ -76,7 +78,8 @@ def _custom_loop(strategy: spread.Strategy, *, compiled: bool = False) -> dict[s
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     step_model = torch.compile(model) if compiled else model
     loss_fn = nn.CrossEntropyLoss()
-    dataset = strategy.distribute_dataset(_data(), GLOBAL_BATCH, shuffle=True, seed=7)
+    data = tuple(t.to(data_device) for t in _data())
+    dataset = strategy.distribute_dataset(data, GLOBAL_BATCH, shuffle=True, seed=7)
 
     def step_fn(x, y):
         loss = loss_fn(step_model(x), y)
@@ -133,6 +136,18 @@ def test_in_process_strategies_on_the_gpu_equal_the_cpu(make, cpu_reference):
     strategy = make()
     try:
         weights = _custom_loop(strategy)
+    finally:
+        strategy.close()
+    assert _max_relative_difference(weights, cpu_reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_dataset_already_on_the_gpu_trains_as_the_cpu_one_does(replicas, cpu_reference):
+    """Small data sets are often moved to the GPU once, before training (the batches are then
+    gathered there); the same samples in the same order give the CPU's weights."""
+    strategy = spread.MirroredStrategy(devices=["cuda:0"] * replicas)
+    try:
+        weights = _custom_loop(strategy, data_device="cuda")
     finally:
         strategy.close()
     assert _max_relative_difference(weights, cpu_reference) < TOLERANCE

@@ -137,3 +137,16 @@ def test_calibration_in_rounds_fits_every_rounds_samples(tmp_path):
     assert profile.collective_in_step >= 1.0 and 0.0 < profile.busy_handoff < 1.0
     with pytest.raises(ValueError, match="rounds"):
         calibrate(tmp_path / "bad.json", quick=True, rounds=0)
+
+
+def test_a_gpu_machine_with_fewer_gpus_than_link_processes_is_refused_before_starting_them(
+    tmp_path, monkeypatch
+):
+    from spread.plan import measure
+
+    monkeypatch.setattr(measure.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(measure, "launch", lambda config: pytest.fail("no job may start"))
+    with pytest.raises(CalibrationError, match=r"2 processes, one per GPU .* this machine has 1"):
+        calibrate(tmp_path / "cal.json", quick=True)
+    assert not (tmp_path / "cal.json").exists()

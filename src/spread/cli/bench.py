@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -235,25 +234,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    """The planner's ``calibrate`` when it exists, else a profile of our own (see _bench_calibrate)."""
-    try:
-        planner = importlib.import_module("spread.plan.calibration")
-    except ModuleNotFoundError:
-        planner = None
-    if planner is not None and hasattr(planner, "calibrate"):
-        planner.calibrate(args.output, quick=args.quick)
-        print(f"spread bench: wrote calibration profile {args.output} (spread.plan.calibration)")
-        return 0
-    from spread.cli import _bench_calibrate as calibration
+    """Measure this machine for ``spread plan`` (:func:`spread.plan.calibration.calibrate`)."""
+    from spread.plan.calibration import CalibrationError, calibrate
 
-    folder = _benchmarks_dir(args.benchmarks)
-    allreduce = _job(folder / "allreduce_bus.py", ["--quick"] if args.quick else [], args.timeout)
-    document = calibration.profile(
-        allreduce, machine=_machine(), quick=args.quick, flops=calibration.matmul_flops()
-    )
-    path = calibration.write(args.output, document)
-    print(f"spread bench: wrote calibration profile {path}")
-    for name, link in document["allreduce"].items():
-        print(f"  {name}: alpha {link['alpha'] * 1e6:.0f} us, beta {link['beta'] / 1e9:.2f} GB/s")
-    print(f"  matmul: {document['compute']['matmul_flops'] / 1e9:.1f} GFLOP/s per thread")
+    try:
+        calibrate(args.output, quick=args.quick)
+    except CalibrationError as exc:
+        print(f"spread bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"spread bench: wrote calibration profile {args.output}")
     return 0

@@ -97,12 +97,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
+    import torch
+
     from spread.plan.calibration import load_profile
     from spread.plan.cluster import ClusterModel
     from spread.plan.costs import Link
 
     path = args.profile or (DEFAULT_PROFILE if os.path.exists(DEFAULT_PROFILE) else None)
-    devices = args.devices or (os.cpu_count() or 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = args.devices or gpus or (os.cpu_count() or 1)
     if devices % args.nodes:
         raise ValueError(
             f"impossible cluster: {devices} devices cannot be spread evenly over {args.nodes} nodes; "
@@ -118,7 +121,10 @@ def _cluster(args: argparse.Namespace) -> Any:
         return ClusterModel.from_profile(
             profile, nodes=args.nodes, devices_per_node=per_node, memory_per_device=memory, inter=inter
         ), profile.devices if profile.device_type == "cpu" else None
-    cores = os.cpu_count() or 1
+    # a machine with GPUs plans GPUs (the script's default strategy trains there); else its cores
+    cores = None if gpus else (os.cpu_count() or 1)
+    if gpus and not memory:
+        memory = float(torch.cuda.get_device_properties(0).total_memory)
     kwargs: dict[str, Any] = {"nodes": args.nodes, "devices_per_node": per_node, "cores_per_node": cores}
     if memory:
         kwargs["memory_per_device"] = memory

@@ -93,7 +93,8 @@ class _TensorBatches(Dataset):
 
     def __getitems__(self, indices: list[int]):
         idx = torch.as_tensor(indices, dtype=torch.long)
-        return self._pack(t.index_select(0, idx) for t in self.tensors)
+        # index on each tensor's own device: data already on a GPU is gathered there
+        return self._pack(t.index_select(0, idx.to(t.device)) for t in self.tensors)
 
 
 def _identity(batch: Any) -> Any:

@@ -23,6 +23,16 @@ def take(batch: Any, n: int) -> Any:
     return batch
 
 
+def wait_for_device() -> None:
+    """Wait for queued GPU work, so a wall-clock reading covers the kernels a call launched.
+
+    CUDA kernels run asynchronously: without this a timed call returns when its kernels are
+    queued, not done. On a CPU-only process it does nothing (and never initializes CUDA).
+    """
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def same_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class and settings over ``params`` (the copies).
 
@@ -63,7 +73,9 @@ def interleaved_medians(
         for key in keys[shift:] + keys[:shift]:
             if before is not None:
                 before(key)
+            wait_for_device()
             start = time.perf_counter()
             calls[key]()
+            wait_for_device()
             times[key].append(time.perf_counter() - start)
     return {key: statistics.median(seconds) for key, seconds in times.items()}

@@ -90,6 +90,13 @@ def measure_machine(
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     cuda = torch.cuda.is_available()
     devices = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+    if cuda and devices < nprocs:
+        raise CalibrationError(
+            f"calibrating the links between GPUs runs {nprocs} processes, one per GPU (NCCL), but this "
+            f"machine has {devices}; calibrate its CPUs instead (CUDA_VISIBLE_DEVICES= spread bench "
+            f"--calibrate), or plan without a profile and describe the links (spread plan --link-gbps "
+            f"--link-latency-us)"
+        )
     memory = (
         torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total / devices
     )

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from spread.memory.measure import ActivationMeter
-from spread.plan._timing import interleaved_medians, same_optimizer, take
+from spread.plan._timing import interleaved_medians, same_optimizer, take, wait_for_device
 from spread.plan.concurrency import measure_contention, measure_in_process, measure_optimizer_contention
 
 
@@ -201,6 +201,8 @@ def measure_model(
     mutual slowdown to measure (:mod:`spread.plan.concurrency`: forward+backward of separate copies,
     their optimizer steps, and thread replicas under MirroredStrategy; CPU only, where replicas share
     a node's memory system). The model, its parameters and ``optimizer`` are copied, never modified.
+    A model on a GPU is timed there, at the process's thread count, without the concurrency terms:
+    each replica has a device of its own.
     """
     batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
     if batch < 2:
@@ -238,8 +240,10 @@ def measure_model(
     with counter:
         x, y = take(inputs, batch), take(targets, batch)
         loss = loss_fn(work(x), y)
+    wait_for_device()
     started = time.perf_counter()
     loss.backward()
+    wait_for_device()
     ended = time.perf_counter()
     for hook in hooks:
         hook.remove()
@@ -256,7 +260,8 @@ def measure_model(
     smallest, small = max(2, batch // 16), max(2, batch // 4)
     sizes = sorted({smallest, small, batch})
     curves: dict[int, tuple[tuple[float, float], ...]] = {}
-    thread_counts = sorted({int(t) for t in threads})
+    on_cpu = all(p.device.type == "cpu" for p in work.parameters())
+    thread_counts = sorted({int(t) for t in threads}) if on_cpu else [previous_threads]
     most = thread_counts[-1]
     x, y = take(inputs, batch), take(targets, batch)
 
@@ -336,7 +341,7 @@ def measure_model(
         compute_curve={t: c for t, c in curves.items() if len(c) >= 2},
         split_backward=split_backward,
     )
-    counts = sorted({int(k) for k in concurrency if 2 <= k <= batch})
+    counts = sorted({int(k) for k in concurrency if 2 <= k <= batch}) if on_cpu else []
     if not counts:
         return profile
     cores = max(threads)
@@ -434,8 +439,10 @@ def _block_seconds(block: nn.Module, x: torch.Tensor, repeats: int = 3) -> float
     run()
     best = float("inf")
     for _ in range(repeats):
+        wait_for_device()
         start = time.perf_counter()
         run()
+        wait_for_device()
         best = min(best, time.perf_counter() - start)
     for p in params:
         p.grad = None
