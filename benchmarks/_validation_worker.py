@@ -108,7 +108,8 @@ def main() -> None:
             loss.backward()
             return loss.detach()
 
-        times = []
+        times: list[float] = []
+        step_ends: list[float] = []  # monotonic, one per timed step
         timed_from = last_step_end = 0.0
         tasks_time_together = bool(args.sync_dir) and isinstance(strategy, spread.ParameterServerStrategy)
         for i, batch in enumerate(data):
@@ -128,10 +129,12 @@ def main() -> None:
             optimizer.step()
             times.append(time.perf_counter() - start)
             last_step_end = time.monotonic()  # not after the loop: the data's end is no step
+            if i >= args.warmup:
+                step_ends.append(last_step_end)
         measured = times[args.warmup :]
         if tasks_time_together:
             # system-wide clock (Linux CLOCK_MONOTONIC): windows of different processes compare
-            window = {"start": timed_from, "end": last_step_end, "steps": len(measured)}
+            window = {"start": timed_from, "end": last_step_end, "steps": len(measured), "ends": step_ends}
             Path(args.sync_dir, f"window-{strategy.rank}.json").write_text(json.dumps(window))
         if strategy.is_chief:
             with open(args.output, "w") as f:

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from plan_validation import _cells, _job_step_seconds  # noqa: E402
@@ -76,11 +78,29 @@ def test_a_failed_round_is_left_out_of_the_pairs_and_unconfirmed_cells_fall_back
     assert plain["paired_behind"] is None and plain["paired_close"] == plain["close"]
 
 
-def _window(folder: Path, rank: int, start: float, end: float, steps: int = 5) -> None:
-    (folder / f"window-{rank}.json").write_text(json.dumps({"start": start, "end": end, "steps": steps}))
+def _window(
+    folder: Path, rank: int, start: float, end: float, steps: int = 5, ends: list[float] | None = None
+) -> None:
+    window = {"start": start, "end": end, "steps": steps, **({"ends": ends} if ends is not None else {})}
+    (folder / f"window-{rank}.json").write_text(json.dumps(window))
 
 
-def test_a_parameter_server_jobs_step_is_its_tasks_common_window_over_the_steps(tmp_path):
+def test_a_parameter_server_jobs_step_is_read_where_every_task_was_stepping(tmp_path):
+    """Task 0 steps every 1 s from 0; task 1 every 2 s from 0.5. Both step from 0.5 to 4: 1.5
+    task-steps a second, a global batch (2 task-steps) every 4/3 s; the whole window (0 to 8.5 for
+    4 steps) would read 2.125 s, most of it task 1 stepping alone."""
+    _window(tmp_path, 0, 0.0, 4.0, steps=4, ends=[1.0, 2.0, 3.0, 4.0])
+    _window(tmp_path, 1, 0.5, 8.5, steps=4, ends=[2.5, 4.5, 6.5, 8.5])
+    assert _job_step_seconds(str(tmp_path), 2) == pytest.approx(4 / 3)
+
+
+def test_tasks_that_never_stepped_together_read_the_whole_window(tmp_path):
+    _window(tmp_path, 0, 0.0, 2.0, steps=2, ends=[1.0, 2.0])
+    _window(tmp_path, 1, 3.0, 5.0, steps=2, ends=[4.0, 5.0])
+    assert _job_step_seconds(str(tmp_path), 2) == pytest.approx(5.0 / 2)
+
+
+def test_windows_without_step_ends_read_the_tasks_whole_common_window(tmp_path):
     """The chief alone (1.0 s for 5 steps) would read 0.2 s; the job ran from 100.0 to 101.5."""
     _window(tmp_path, 0, 100.0, 101.0)
     _window(tmp_path, 1, 100.02, 101.5)
