@@ -136,7 +136,7 @@ def test_factor_lookup_and_optimizer_time_by_hand():
 def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
     import time
 
-    from spread.plan.concurrency import paired_slowdown
+    from spread.plan.concurrency import paired_slowdowns
 
     calls = {"alone": 0, "together": 0}
 
@@ -149,21 +149,22 @@ def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
         time.sleep(0.06)  # sleeping threads overlap: each takes 3x the alone step
 
     threads = {"threads": 1, "processes": False}
-    assert paired_slowdown(alone, [together, together], repeats=3, cores=2, **threads) == pytest.approx(
+    assert paired_slowdowns(alone, [together, together], repeats=3, cores=2, **threads).each == pytest.approx(
         3.0, rel=0.3
     )
     assert calls == {"alone": 1 + 3, "together": 2 * (1 + 3)}  # one warm-up each, then one per round
     # four at once on two cores: half of the 3x is time-slicing, not contention
-    four = paired_slowdown(alone, [together] * 4, repeats=2, cores=2, **threads)
+    four = paired_slowdowns(alone, [together] * 4, repeats=2, cores=2, **threads).each
     assert four == pytest.approx(1.5, rel=0.3)
-    assert paired_slowdown(together, [alone, alone], repeats=2, cores=2, **threads) == 1.0  # never below one
+    faster_together = paired_slowdowns(together, [alone, alone], repeats=2, cores=2, **threads)
+    assert faster_together.each == 1.0  # never below one
 
 
 @pytest.mark.processes  # one-thread replicas are timed in forked processes
 def test_paired_slowdown_in_forked_processes_compares_the_same_way():
     import time
 
-    from spread.plan.concurrency import paired_slowdown
+    from spread.plan.concurrency import paired_slowdowns
 
     def alone() -> None:
         time.sleep(0.02)
@@ -171,9 +172,9 @@ def test_paired_slowdown_in_forked_processes_compares_the_same_way():
     def together() -> None:
         time.sleep(0.06)
 
-    factor = paired_slowdown(alone, [together, together], threads=1, repeats=2, cores=2, processes=True)
+    factor = paired_slowdowns(alone, [together, together], threads=1, repeats=2, cores=2, processes=True).each
     assert factor == pytest.approx(3.0, rel=0.3)
-    assert paired_slowdown(alone, [together] * 4, threads=1, repeats=2, cores=2, processes=True) == (
+    assert paired_slowdowns(alone, [together] * 4, threads=1, repeats=2, cores=2, processes=True).each == (
         pytest.approx(1.5, rel=0.3)
     )
 
@@ -188,10 +189,10 @@ def test_one_thread_replicas_are_measured_as_processes_by_default(monkeypatch):
         return [1.0] * repeats, [[1.2] * len(together)] * repeats
 
     monkeypatch.setattr(concurrency, "forked_rounds", fake_forked_rounds)
-    factor = concurrency.paired_slowdown(print, [print, print], threads=1, repeats=2, cores=2)
+    factor = concurrency.paired_slowdowns(print, [print, print], threads=1, repeats=2, cores=2).each
     assert factor == pytest.approx(1.2)
     assert used == [2]
-    concurrency.paired_slowdown(lambda: None, [lambda: None] * 2, threads=2, repeats=1, cores=4)
+    concurrency.paired_slowdowns(lambda: None, [lambda: None] * 2, threads=2, repeats=1, cores=4)
     assert used == [2]  # two threads per replica: a forked child cannot run them (GNU OpenMP), threads do
 
 
@@ -205,9 +206,9 @@ def test_the_slowest_replica_of_each_round_is_measured_beside_the_typical_one(mo
     monkeypatch.setattr(concurrency, "forked_rounds", fake)
     measured = concurrency.paired_slowdowns(print, [print] * 3, threads=1, repeats=3, cores=4)
     assert measured == (pytest.approx(1.2), pytest.approx(1.6))
-    assert concurrency.paired_slowdown(print, [print] * 3, threads=1, repeats=3, cores=4) == pytest.approx(
-        1.2
-    )
+    assert concurrency.paired_slowdowns(
+        print, [print] * 3, threads=1, repeats=3, cores=4
+    ).each == pytest.approx(1.2)
     # three on two cores: 1.5x is time-slicing, none of it contention for the typical one; the
     # slowest still finishes 1.6 / 1.2 after its round's median
     on_two = concurrency.paired_slowdowns(print, [print] * 3, threads=1, repeats=3, cores=2)
@@ -248,7 +249,9 @@ def test_a_stuck_or_unforkable_replica_falls_back_to_threads_with_a_warning(monk
 
     monkeypatch.setattr(concurrency, "forked_rounds", fails)
     with pytest.warns(RuntimeWarning, match=re.escape(failure.args[-1]) + ".*with threads instead"):
-        factor = concurrency.paired_slowdown(lambda: None, [lambda: None] * 2, threads=1, repeats=1, cores=2)
+        factor = concurrency.paired_slowdowns(
+            lambda: None, [lambda: None] * 2, threads=1, repeats=1, cores=2
+        ).each
     assert factor >= 1.0
 
 

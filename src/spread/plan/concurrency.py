@@ -53,7 +53,7 @@ def _together_rounds(
     torch releases the GIL inside operators, so the threads really compute in parallel. Every round
     starts all threads behind a barrier; an exception in any thread aborts the barrier and is raised
     here, not lost in the thread. ``between`` runs on this thread, alone, before every round, the
-    warm-up included (the paired measurement of :func:`paired_slowdown`).
+    warm-up included (the paired measurement of :func:`paired_slowdowns`).
     """
     rounds: list[list[float]] = []
     errors: list[BaseException] = []
@@ -147,20 +147,6 @@ def paired_slowdowns(
     return Slowdown(each, each * behind)
 
 
-def paired_slowdown(
-    alone: Callable[[], None],
-    together: Sequence[Callable[[], None]],
-    threads: int,
-    repeats: int,
-    cores: int,
-    *,
-    processes: bool | None = None,
-) -> float:
-    """How much slower each of ``together`` runs at once than ``alone`` by itself (see
-    :func:`paired_slowdowns`), >= 1."""
-    return paired_slowdowns(alone, together, threads, repeats, cores, processes=processes).each
-
-
 def _beyond_time_slicing(slowdown: float, replicas: int, cores: int) -> float:
     """``slowdown`` without the part time-slicing explains (more replicas than cores), at least 1."""
     return max(1.0, slowdown / max(1.0, replicas / cores))
@@ -233,7 +219,7 @@ def measure_optimizer_contention(
         replica = copy.deepcopy(model)
         _backward_step(replica, loss_fn, x, y)()
         steps.append(same_optimizer(optimizer, [p for p in replica.parameters() if p.requires_grad]).step)
-    return paired_slowdown(steps[-1], steps[:-1], threads, repeats, cores)
+    return paired_slowdowns(steps[-1], steps[:-1], threads, repeats, cores).each
 
 
 def measure_in_process(
