@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 
 import model_families as workloads  # noqa: E402
 
+from spread.cli.plan import PROFILE_SECONDS  # noqa: E402
 from spread.plan.advisor import make_plan  # noqa: E402
 from spread.plan.calibration import CalibrationProfile, calibrate, load_profile  # noqa: E402
 from spread.plan.cluster import ClusterModel  # noqa: E402
@@ -331,7 +332,7 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
         )
 
 
-def _profile_workload(name: str, procs: list[int]) -> ModelProfile:
+def _profile_workload(name: str, procs: list[int], min_seconds: float = 0.0) -> ModelProfile:
     """Profile ``name`` in a fresh Python process, as ``spread plan`` profiles one model per run.
 
     In one process profiling the families one after another, a model profiled after others had run
@@ -342,12 +343,12 @@ def _profile_workload(name: str, procs: list[int]) -> ModelProfile:
     with tempfile.TemporaryDirectory(prefix="spread-profile-") as folder:
         out = os.path.join(folder, "profile.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--profile-only", name, "--procs",
-               ",".join(map(str, procs)), "--json", out]  # fmt: skip
+               ",".join(map(str, procs)), "--json", out, "--profile-seconds", str(min_seconds)]  # fmt: skip
         subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL, timeout=1800)
         return _profile_from_json(json.loads(Path(out).read_text()))
 
 
-def _profile_here(name: str, procs: list[int]) -> ModelProfile:
+def _profile_here(name: str, procs: list[int], min_seconds: float = 0.0) -> ModelProfile:
     """Profile ``name`` in this process for a grid of ``procs`` process counts."""
     cores = os.cpu_count() or 1
     model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name)
@@ -361,11 +362,14 @@ def _profile_here(name: str, procs: list[int]) -> ModelProfile:
         optimizer=make_optimizer(model.parameters()),
         threads=sorted({1, cores, *(max(1, cores // n) for n in counts)}),
         concurrency=[n for n in counts if n > 1],
+        min_seconds=min_seconds,
         name=name,
     )
 
 
-def _replay(paths: list[str], reprofile: bool = False, save: str | None = None) -> None:
+def _replay(
+    paths: list[str], reprofile: bool = False, save: str | None = None, profile_seconds: float = 0.0
+) -> None:
     """Predict every measured row of ``paths`` again with the current cost model.
 
     ``reprofile``: profile the workloads again here first (to try a change to what the profile
@@ -380,7 +384,7 @@ def _replay(paths: list[str], reprofile: bool = False, save: str | None = None) 
         if reprofile:
             for name in profiles:
                 procs = [r["procs"] for r in data["rows"] if r["workload"] == name]
-                profiles[name] = _profile_workload(name, procs)
+                profiles[name] = _profile_workload(name, procs, profile_seconds)
                 print(f"{name}: {_factors(profiles[name])}", file=sys.stderr)
         first = len(rows)
         for row in data["rows"]:
@@ -464,11 +468,19 @@ def main() -> None:
         help="measure each close cell's leading configurations again (a --json file)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --confirm: extra interleaved rounds")
+    parser.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=PROFILE_SECONDS,
+        help="time each model's compute over at least this long (default: spread plan's)",
+    )
     parser.add_argument("--profile-only", default=None, help=argparse.SUPPRESS)  # one family, to --json
     args = parser.parse_args()
     if args.profile_only:
         counts = sorted({int(n) for n in args.procs.split(",")})
-        Path(args.json).write_text(json.dumps(asdict(_profile_here(args.profile_only, counts))))
+        Path(args.json).write_text(
+            json.dumps(asdict(_profile_here(args.profile_only, counts, args.profile_seconds)))
+        )
         return
     if args.confirm:
         _confirm(args.confirm, args.rounds, args.steps, args.timeout)
@@ -476,7 +488,7 @@ def main() -> None:
     if args.replay:
         if args.json and len(args.replay) > 1:
             parser.error("--json with --replay takes one file to replay")
-        _replay(args.replay, reprofile=args.reprofile, save=args.json)
+        _replay(args.replay, reprofile=args.reprofile, save=args.json, profile_seconds=args.profile_seconds)
         return
     if not os.path.exists(args.profile):
         print(f"calibrating into {args.profile} ...", file=sys.stderr)
@@ -485,7 +497,7 @@ def main() -> None:
     rows, profiles = [], {}
     for name in args.workloads.split(","):
         counts = sorted({int(n) for n in args.procs.split(",")})
-        profile = _profile_workload(name, counts)
+        profile = _profile_workload(name, counts, args.profile_seconds)
         global_batch = profile.batch  # profiled on one global batch
         profiles[name] = asdict(profile)
         print(f"{name}: {_factors(profile)}", file=sys.stderr)

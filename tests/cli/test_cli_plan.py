@@ -18,9 +18,13 @@ DIGITS = str(ROOT / "examples" / "digits.py")
 SPREAD = [sys.executable, "-m", "spread.cli.main", "plan"]
 
 
-def _plan(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+def _plan(
+    *args: str, cwd: Path | None = None, env: dict | None = None, profile_seconds: str | None = "0"
+) -> subprocess.CompletedProcess[str]:
+    """``spread plan ARGS``; ``profile_seconds`` None: the default's half minute of timing rounds."""
+    timing = [] if profile_seconds is None else ["--profile-seconds", profile_seconds]
     return subprocess.run(
-        [*SPREAD, *args],
+        [*SPREAD, *args, *timing],
         capture_output=True,
         text=True,
         timeout=150,
@@ -38,7 +42,7 @@ def _env_with_path(directory: Path) -> dict[str, str]:
 
 
 def test_digits_end_to_end_json(tmp_path):
-    result = _plan(DIGITS, "--devices", "2", "--json", cwd=tmp_path)
+    result = _plan(DIGITS, "--devices", "2", "--json", cwd=tmp_path, profile_seconds=None)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     labels = {p["label"] for p in plan["predictions"]}
@@ -76,6 +80,8 @@ def test_plot(tmp_path):
         (["--devices", "2", "--memory-gb", "0.0001"], "fits on no strategy"),
         (["--devices", "128"], "cannot be split over 128 devices"),
         (["--profile", "missing.json"], "spread bench --calibrate"),
+        (["--profile-seconds", "-1"], "must be a finite number >= 0, got -1"),
+        (["--profile-seconds", "soon"], "expected a number of seconds, got 'soon'"),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, args, message):

@@ -50,3 +50,49 @@ def test_no_calls_and_no_repeats() -> None:
     assert interleaved_medians({}, repeats=3) == {}
     with pytest.raises(ValueError, match="repeats"):
         interleaved_medians({"a": lambda: None}, repeats=0)
+
+
+class _SlowStartClock:
+    """A fake ``perf_counter``: a call of cost ``c`` takes ``1.5 * c`` seconds for the first
+    ``slow_for`` seconds (a neighbour busy at that moment), then ``c``."""
+
+    def __init__(self, slow_for: float) -> None:
+        self.now = 0.0
+        self.slow_for = slow_for
+        self.calls = 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def work(self, cost: float):
+        def call() -> None:
+            self.calls += 1
+            self.now += cost * (1.5 if self.now < self.slow_for else 1.0)
+
+        return call
+
+
+def test_rounds_go_on_until_they_span_min_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _SlowStartClock(slow_for=0.0)
+    monkeypatch.setattr(_timing.time, "perf_counter", clock.perf_counter)
+    interleaved_medians({"a": clock.work(1.0), "b": clock.work(1.0)}, repeats=3, min_seconds=10.0)
+    assert clock.calls == 2 + 2 * 5  # the warm-up round, then rounds of 2 s until 10 s had passed
+    clock.calls = 0
+    interleaved_medians({"a": clock.work(1.0), "b": clock.work(1.0)}, repeats=3, min_seconds=1.0)
+    assert clock.calls == 2 + 2 * 3  # never fewer than ``repeats`` rounds
+
+
+def test_a_longer_span_takes_the_typical_speed_not_the_moments(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _SlowStartClock(slow_for=20.0)
+    monkeypatch.setattr(_timing.time, "perf_counter", clock.perf_counter)
+    short = interleaved_medians({"a": clock.work(1.0), "b": clock.work(2.0)}, repeats=3)
+    assert short == {"a": 1.5, "b": 3.0}  # every setting at the busy moment's speed: ratios kept
+    clock.now = 0.0
+    long = interleaved_medians({"a": clock.work(1.0), "b": clock.work(2.0)}, repeats=3, min_seconds=40.0)
+    # 4 rounds in the busy 20 s, 8 after
+    assert long == {"a": 1.0, "b": 2.0}
+
+
+def test_negative_min_seconds_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_seconds"):
+        interleaved_medians({"a": lambda: None}, repeats=1, min_seconds=-1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -119,3 +120,10 @@ def test_compute_is_measured_at_three_batch_sizes_per_thread_count():
     for threads in (1, 2):
         assert [b for b, _ in profile.compute_curve[threads]] == [4.0, 16.0, 64.0]
         assert all(seconds > 0 for _, seconds in profile.compute_curve[threads])
+
+
+def test_compute_rounds_span_min_seconds():
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    started = time.perf_counter()
+    measure_model(_mlp(), nn.CrossEntropyLoss(), x, y, threads=(1,), repeats=1, min_seconds=0.5)
+    assert time.perf_counter() - started >= 0.5  # a lower bound the rounds guarantee, not a speed

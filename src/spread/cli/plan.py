@@ -19,6 +19,9 @@ from typing import Any
 from spread.cli.run import _int_at_least
 
 DEFAULT_PROFILE = "spread-calibration.json"
+# A few seconds of profiling take the speed of that moment, and on a shared VM that moves by tens of
+# percent within a minute; every prediction moves with it (docs/results/2026-11-27-planner-warm.md).
+PROFILE_SECONDS = 30.0
 
 _DESCRIPTION = """\
 Predict each strategy's step time, throughput, scaling efficiency and memory per device for the
@@ -46,6 +49,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -83,6 +96,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         type=_positive_float,
         default=1.0,
         help="a device's speed relative to this machine (e.g. 20 for a GPU vs these cores)",
+    )
+    parser.add_argument(
+        "--profile-seconds",
+        type=_seconds,
+        default=PROFILE_SECONDS,
+        help="time the model's compute over at least this long, to take the machine's typical speed "
+        "rather than one moment's (default: %(default)s; 0: three rounds, a few seconds)",
     )
     parser.add_argument("--global-batch", type=_int_at_least(1), help="global batch (default: the script's)")
     parser.add_argument("--strategies", help="comma-separated subset of strategies to consider")
@@ -172,6 +192,7 @@ def _run(args: argparse.Namespace) -> int:
             optimizer=workload.optimizer,
             threads=threads if cores else (1,),
             concurrency=replica_counts(min(cluster.devices_per_node, 2 * cores)) if cores else (),
+            min_seconds=args.profile_seconds,
             name=workload.source,
         )
         busy = max(busy_before, busy_cores_elsewhere())

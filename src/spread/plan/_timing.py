@@ -51,6 +51,7 @@ def interleaved_medians(
     calls: dict[Key, Callable[[], None]],
     repeats: int,
     before: Callable[[Key], None] | None = None,
+    min_seconds: float = 0.0,
 ) -> dict[Key, float]:
     """Median seconds of each of ``calls``, timed in ``repeats`` interleaved rounds after a warm-up round.
 
@@ -59,16 +60,25 @@ def interleaved_medians(
     two different machines, and their ratio (what the planner predicts from) takes the drift. Here each
     round times every call once, the order rotating from round to round, so drift hits all settings
     alike. ``before(key)`` runs untimed before each call (for example to set the thread count).
+
+    ``min_seconds``: go on with more rounds until the timed rounds span at least this long. Interleaving
+    cancels drift between settings, not drift of all of them: a few seconds of rounds take the speed of
+    that moment (a ResNet's step, in 10-second windows of one run, read 84 to 130 ms), and every
+    prediction made from it moves with it. Rounds over half a minute take the machine's typical speed.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if min_seconds < 0:
+        raise ValueError(f"min_seconds must be at least 0, got {min_seconds}")
     keys = list(calls)
     for key in keys:  # warm-up: allocator, kernels, lazy optimizer state
         if before is not None:
             before(key)
         calls[key]()
     times: dict[Key, list[float]] = {key: [] for key in keys}
-    for r in range(repeats):
+    began = time.perf_counter()
+    r = 0
+    while keys and (r < repeats or time.perf_counter() - began < min_seconds):
         shift = r % len(keys) if keys else 0
         for key in keys[shift:] + keys[:shift]:
             if before is not None:
@@ -78,4 +88,5 @@ def interleaved_medians(
             calls[key]()
             wait_for_device()
             times[key].append(time.perf_counter() - start)
+        r += 1
     return {key: statistics.median(seconds) for key, seconds in times.items()}

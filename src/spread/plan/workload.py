@@ -192,6 +192,7 @@ def measure_model(
     threads: Sequence[int] = (1,),
     concurrency: Sequence[int] = (),
     repeats: int = 3,
+    min_seconds: float = 0.0,
     name: str | None = None,
 ) -> ModelProfile:
     """Profile ``model`` on ``inputs``/``targets`` (a batch whose first dimension is the sample axis).
@@ -202,7 +203,9 @@ def measure_model(
     their optimizer steps, and thread replicas under MirroredStrategy; CPU only, where replicas share
     a node's memory system). The model, its parameters and ``optimizer`` are copied, never modified.
     A model on a GPU is timed there, at the process's thread count, without the concurrency terms:
-    each replica has a device of its own.
+    each replica has a device of its own. ``min_seconds``: time the compute rounds (what every
+    predicted step scales with) over at least this long, past ``repeats`` if need be (see
+    :func:`spread.plan._timing.interleaved_medians`).
     """
     batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
     if batch < 2:
@@ -286,7 +289,9 @@ def measure_model(
         calls[("split_later_blocks", most, n)] = split
     try:
         step(batch)  # gradients for the optimizer's first (warm-up) step
-        medians = interleaved_medians(calls, repeats, before=lambda key: torch.set_num_threads(key[1]))
+        medians = interleaved_medians(
+            calls, repeats, before=lambda key: torch.set_num_threads(key[1]), min_seconds=min_seconds
+        )
         for t in thread_counts:
             measured = {n: medians[("step", t, n)] for n in sizes}
             t_small, t_full = measured[small], measured[batch]
