@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -146,6 +147,9 @@ def test_a_gpu_machine_with_fewer_gpus_than_link_processes_is_refused_before_sta
 
     monkeypatch.setattr(measure.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(measure.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        measure.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30)
+    )
     monkeypatch.setattr(measure, "launch", lambda config: pytest.fail("no job may start"))
     with pytest.raises(CalibrationError, match=r"2 processes, one per GPU .* this machine has 1"):
         calibrate(tmp_path / "cal.json", quick=True)

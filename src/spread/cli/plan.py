@@ -117,15 +117,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    import torch
-
     from spread.plan.calibration import load_profile
     from spread.plan.cluster import ClusterModel
     from spread.plan.costs import Link
+    from spread.plan.measure import local_devices
 
     path = args.profile or (DEFAULT_PROFILE if os.path.exists(DEFAULT_PROFILE) else None)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    devices = args.devices or gpus or (os.cpu_count() or 1)
+    cuda, local, local_memory = local_devices()
+    devices = args.devices or local
     if devices % args.nodes:
         raise ValueError(
             f"impossible cluster: {devices} devices cannot be spread evenly over {args.nodes} nodes; "
@@ -142,9 +141,9 @@ def _cluster(args: argparse.Namespace) -> Any:
             profile, nodes=args.nodes, devices_per_node=per_node, memory_per_device=memory, inter=inter
         ), profile.devices if profile.device_type == "cpu" else None
     # a machine with GPUs plans GPUs (the script's default strategy trains there); else its cores
-    cores = None if gpus else (os.cpu_count() or 1)
-    if gpus and not memory:
-        memory = float(torch.cuda.get_device_properties(0).total_memory)
+    cores = None if cuda else local
+    if cuda and not memory:
+        memory = local_memory
     kwargs: dict[str, Any] = {"nodes": args.nodes, "devices_per_node": per_node, "cores_per_node": cores}
     if memory:
         kwargs["memory_per_device"] = memory

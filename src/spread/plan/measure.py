@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -75,6 +76,22 @@ def measure_links(nprocs: int, sizes: list[int], reps: int) -> dict:
         return json.loads(Path(output).read_text())
 
 
+class LocalDevices(NamedTuple):
+    cuda: bool
+    devices: int
+    memory_per_device: float  # bytes
+
+
+def local_devices() -> LocalDevices:
+    """This machine's devices: its GPUs where CUDA sees any (a script's default strategy trains
+    there), else its CPU cores sharing the host's memory."""
+    if torch.cuda.is_available():
+        memory = float(torch.cuda.get_device_properties(0).total_memory)
+        return LocalDevices(cuda=True, devices=torch.cuda.device_count(), memory_per_device=memory)
+    cores = os.cpu_count() or 1
+    return LocalDevices(cuda=False, devices=cores, memory_per_device=psutil.virtual_memory().total / cores)
+
+
 def measure_machine(
     path: str | os.PathLike, *, quick: bool = False, nprocs: int = 2, rounds: int | None = None
 ) -> CalibrationProfile:
@@ -88,8 +105,7 @@ def measure_machine(
     rounds = (1 if quick else 3) if rounds is None else rounds
     if rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-    cuda = torch.cuda.is_available()
-    devices = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+    cuda, devices, memory = local_devices()
     if cuda and devices < nprocs:
         raise CalibrationError(
             f"calibrating the links between GPUs runs {nprocs} processes, one per GPU (NCCL), but this "
@@ -97,9 +113,6 @@ def measure_machine(
             f"--calibrate), or plan without a profile and describe the links (spread plan --link-gbps "
             f"--link-latency-us)"
         )
-    memory = (
-        torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total / devices
-    )
     bandwidth = copy_bandwidth(16 << 20 if quick else 64 << 20)
     flops = matmul_flops(n=512 if quick else 1024)
     jobs = [
