@@ -332,7 +332,7 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
         )
 
 
-def _profile_workload(name: str, procs: list[int], min_seconds: float = 0.0) -> ModelProfile:
+def _profile_workload(name: str, procs: list[int], min_seconds: float) -> ModelProfile:
     """Profile ``name`` in a fresh Python process, as ``spread plan`` profiles one model per run.
 
     In one process profiling the families one after another, a model profiled after others had run
@@ -348,7 +348,7 @@ def _profile_workload(name: str, procs: list[int], min_seconds: float = 0.0) -> 
         return _profile_from_json(json.loads(Path(out).read_text()))
 
 
-def _profile_here(name: str, procs: list[int], min_seconds: float = 0.0) -> ModelProfile:
+def _profile_here(name: str, procs: list[int], min_seconds: float) -> ModelProfile:
     """Profile ``name`` in this process for a grid of ``procs`` process counts."""
     cores = os.cpu_count() or 1
     model, loss_fn, make_optimizer, make_batch, global_batch = workloads.make(name)
@@ -368,7 +368,7 @@ def _profile_here(name: str, procs: list[int], min_seconds: float = 0.0) -> Mode
 
 
 def _replay(
-    paths: list[str], reprofile: bool = False, save: str | None = None, profile_seconds: float = 0.0
+    paths: list[str], profile_seconds: float, reprofile: bool = False, save: str | None = None
 ) -> None:
     """Predict every measured row of ``paths`` again with the current cost model.
 
@@ -488,7 +488,7 @@ def main() -> None:
     if args.replay:
         if args.json and len(args.replay) > 1:
             parser.error("--json with --replay takes one file to replay")
-        _replay(args.replay, reprofile=args.reprofile, save=args.json, profile_seconds=args.profile_seconds)
+        _replay(args.replay, args.profile_seconds, reprofile=args.reprofile, save=args.json)
         return
     if not os.path.exists(args.profile):
         print(f"calibrating into {args.profile} ...", file=sys.stderr)

@@ -42,24 +42,25 @@ examples:
   spread plan train.py --devices 4 --script-args '--epochs 1 --batch-size 256'"""
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+def _finite_float(noun: str, zero_allowed: bool) -> Any:
+    """An argparse type: a finite float above 0 (or at least 0), named ``noun`` in its error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if zero_allowed else '>'} 0, got {text}"
+            )
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+_positive_float = _finite_float("a number", zero_allowed=False)
+_seconds = _finite_float("a number of seconds", zero_allowed=True)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

@@ -79,7 +79,7 @@ def interleaved_medians(
     began = time.perf_counter()
     r = 0
     while keys and (r < repeats or time.perf_counter() - began < min_seconds):
-        shift = r % len(keys) if keys else 0
+        shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
             if before is not None:
                 before(key)
