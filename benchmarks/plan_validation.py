@@ -183,6 +183,10 @@ def _profile_from_json(data: dict) -> ModelProfile:
         for k, points in data.get("compute_curve", {}).items()
     }
     data["layers"] = tuple(LayerProfile(**layer) for layer in data.get("layers", ()))
+    data["layer_seconds"] = {
+        int(t): {int(n): tuple(float(c) for c in costs) for n, costs in by_batch.items()}
+        for t, by_batch in data.get("layer_seconds", {}).items()
+    }
     arrival = data.get("gradient_arrival")
     data["gradient_arrival"] = None if arrival is None else tuple(tuple(point) for point in arrival)
     return ModelProfile(**data)

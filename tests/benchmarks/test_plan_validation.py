@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+
+from spread.plan.workload import measure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from plan_validation import _cells, _job_step_seconds  # noqa: E402
+from plan_validation import _cells, _job_step_seconds, _profile_from_json  # noqa: E402
 
 
 def _row(config: str, measured: float, rate: float, **extra) -> dict:
@@ -114,3 +119,22 @@ def test_a_parameter_server_job_with_a_task_missing_or_uneven_is_not_measured(tm
     assert _job_step_seconds(str(tmp_path), 3) is None
     _window(tmp_path, 2, 100.0, 101.2, steps=4)
     assert _job_step_seconds(str(tmp_path), 3) is None
+
+
+@pytest.mark.processes  # the contention tables come from forked replicas
+def test_a_profile_written_to_the_suites_json_reads_back_the_same():
+    """``--replay`` predicts from the profiles a run wrote: every table must come back with its keys."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    profile = measure_model(
+        model,
+        nn.CrossEntropyLoss(),
+        x,
+        y,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        threads=(1, 2),
+        concurrency=(2,),
+        repeats=1,
+    )
+    assert profile.layer_seconds and profile.compute_curve and profile.split_backward
+    assert _profile_from_json(json.loads(json.dumps(asdict(profile)))) == profile

@@ -13,7 +13,7 @@ import spread
 from spread.plan.advisor import PlanError, make_plan
 from spread.plan.cluster import DEFAULT_INTRA, ClusterModel
 from spread.plan.costs import Link, sharded_memory
-from spread.plan.predict import Candidate, Options, balanced_stage_shares, candidates, predict
+from spread.plan.predict import Candidate, Options, candidates, predict
 from spread.plan.workload import LayerProfile, ModelProfile, measure_model
 
 MB = 1e6
@@ -166,12 +166,36 @@ def test_slow_native_loses_to_shm_and_accumulation_divides_activations():
     assert shm.memory.activations == 25 * 4000
 
 
-def test_balanced_stage_split():
-    assert balanced_stage_shares([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
-    assert balanced_stage_shares([3, 1, 1, 1], 2) == [[0], [1, 2, 3]]
-    assert balanced_stage_shares([1, 1, 1], 3) == [[0], [1], [2]]
-    with pytest.raises(ValueError, match="cannot split 2 blocks into 3 stages"):
-        balanced_stage_shares([1, 1], 3)
+def test_pipeline_cuts_on_the_blocks_costs_at_its_micro_batch_and_threads():
+    """A stage runs micro-batches at its process's threads; the blocks' shares there, not at the
+    profiled batch, decide the cut and the slowest stage (as PipelineStrategy measures its cut)."""
+    c = Candidate("pipeline", 2, (("stages", 2), ("microbatches", 4), ("schedule", "1f1b")))
+    # At the profiled batch (2 threads) block 1 is 70% of the time; at 25 samples on 1 thread, 40%.
+    skewed = tuple(
+        replace(la, time_share=s) for la, s in zip(_profile().layers, (0.1, 0.7, 0.1, 0.1), strict=True)
+    )
+    per_batch = {
+        1: {8: (1.0, 1.0, 1.0, 1.0), 32: (0.1, 0.4, 0.3, 0.2)},  # 25 samples: nearest measured is 32
+        2: {8: (0.1, 0.7, 0.1, 0.1), 32: (0.1, 0.7, 0.1, 0.1)},
+    }
+    measured = predict(
+        c, _profile(layers=skewed, layer_seconds=per_batch), _cluster(), Options(global_batch=100)
+    )
+    # stages [0, 1] | [2, 3]: 50% each; 25 ms per micro-batch on 1 thread -> 12.5 ms per slot
+    assert "slowest stage 50%" in measured.note
+    assert measured.parts["compute"] == pytest.approx(4 * 0.0125)
+    # without per-batch figures (older profiles): the shares at the profiled batch, [0, 1] | [2, 3] = 80%
+    old = predict(c, _profile(layers=skewed), _cluster(), Options(global_batch=100))
+    assert "slowest stage 80%" in old.note
+    assert old.parts["compute"] == pytest.approx(4 * 0.025 * 0.8)
+    # more stages than blocks: the strategy's own error
+    with pytest.raises(ValueError, match="stages"):
+        predict(
+            Candidate("pipeline", 5, (("stages", 5), ("microbatches", 4), ("schedule", "1f1b"))),
+            _profile(),
+            _cluster(),
+            Options(global_batch=100),
+        )
 
 
 def test_pipeline_by_hand():

@@ -114,12 +114,28 @@ def test_compute_follows_the_measured_curve_where_small_batches_cost_more_per_sa
     assert steep.compute_seconds(5, 1) == pytest.approx(0.0005)  # never below proportional
 
 
-def test_compute_is_measured_at_three_batch_sizes_per_thread_count():
+def test_compute_is_measured_at_every_halving_down_to_a_sixteenth_per_thread_count():
     x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
     profile = measure_model(_mlp(), nn.CrossEntropyLoss(), x, y, threads=(1, 2), repeats=1)
     for threads in (1, 2):
-        assert [b for b, _ in profile.compute_curve[threads]] == [4.0, 16.0, 64.0]
+        assert [b for b, _ in profile.compute_curve[threads]] == [4.0, 8.0, 16.0, 32.0, 64.0]
         assert all(seconds > 0 for _, seconds in profile.compute_curve[threads])
+
+
+def test_block_costs_are_measured_per_micro_batch_and_thread_count():
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    torch.set_num_threads(2)
+    profile = measure_model(_mlp(), nn.CrossEntropyLoss(), x, y, threads=(1, 2), repeats=1)
+    assert torch.get_num_threads() == 2  # left as it was
+    assert set(profile.layer_seconds) == {1, 2}
+    for by_batch in profile.layer_seconds.values():
+        assert sorted(by_batch) == [4, 8, 16, 32]  # micro-batches: below the full batch
+        assert all(len(costs) == 3 and all(c > 0 for c in costs) for costs in by_batch.values())
+    assert profile.layer_costs(20, 1) == list(profile.layer_seconds[1][16])  # nearest on a log scale
+    assert profile.layer_costs(3, 2) == list(profile.layer_seconds[2][4])
+    assert profile.layer_costs(30, 8) == list(profile.layer_seconds[2][32])  # nearest thread count
+    not_a_chain = measure_model(nn.Linear(32, 10), nn.CrossEntropyLoss(), x, y, repeats=1)
+    assert not_a_chain.layer_seconds == {} and not_a_chain.layer_costs(16, 1) == []
 
 
 def test_compute_rounds_span_min_seconds():

@@ -15,7 +15,7 @@
 
 from spread.pipeline.health import Heartbeat
 from spread.pipeline.p2p import StageLink
-from spread.pipeline.partition import BALANCE_BY, as_layers, balanced_bounds, partition
+from spread.pipeline.partition import BALANCE_BY, as_layers, balanced_bounds, measured_costs, partition
 from spread.pipeline.runtime import StageRunner, StepTimes
 from spread.pipeline.schedules import (
     SCHEDULES,
@@ -42,6 +42,7 @@ __all__ = [
     "gpipe",
     "gpipe_bubble_bound",
     "make_schedule",
+    "measured_costs",
     "one_f_one_b",
     "partition",
     "simulate",

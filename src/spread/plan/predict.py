@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from spread.pipeline import balanced_bounds
 from spread.plan.cluster import ClusterModel
 from spread.plan.costs import (
     MemoryBreakdown,
@@ -428,44 +429,20 @@ def _parameter_server(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Option
     return step, rate, memory, note, {"compute": compute, "communication": step - compute}
 
 
-def balanced_stage_shares(shares: list[float], stages: int) -> list[list[int]]:
-    """Split consecutive blocks into ``stages`` groups minimising the largest group's share."""
-    n = len(shares)
-    if stages > n:
-        raise ValueError(f"cannot split {n} blocks into {stages} stages")
-    prefix = [0.0]
-    for s in shares:
-        prefix.append(prefix[-1] + s)
-    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
-
-    def solve(start: int, k: int) -> tuple[float, list[int]]:
-        if k == 1:
-            return prefix[n] - prefix[start], [start]
-        key = (start, k)
-        if key not in best:
-            options = []
-            for end in range(start + 1, n - k + 2):
-                rest, cuts = solve(end, k - 1)
-                options.append((max(prefix[end] - prefix[start], rest), [start, *cuts]))
-            best[key] = min(options, key=lambda t: t[0])
-        return best[key]
-
-    _, starts = solve(0, stages)
-    bounds = [*starts, n]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
-
-
 def _pipeline(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     stages, micro = c.get("stages"), c.get("microbatches")
     replicas = c.devices // stages
-    groups = balanced_stage_shares([la.time_share for la in p.layers], stages)
     per_replica = o.global_batch / replicas
-    shares = [sum(p.layers[i].time_share for i in g) for g in groups]
+    on_node = min(c.devices, cl.devices_per_node)
+    # Cut where PipelineStrategy cuts: its blocks' costs on one micro-batch at the stage's threads.
+    costs = p.layer_costs(per_replica / micro, _core_share(cl, on_node, None)[0])
+    groups = [list(range(a, b)) for a, b in balanced_bounds(costs, stages)]
+    total = sum(costs) or 1.0
+    shares = [sum(costs[i] for i in g) / total for g in groups]
     share = max(shares)
     # While the slowest stage computes, a faster one computes only share_s / share of the time: an
     # unbalanced pipeline keeps fewer cores busy than it has processes (W3's embedding stage does
     # ~95% of the work; its MLP stage mostly waits).
-    on_node = min(c.devices, cl.devices_per_node)
     busy = on_node / stages * sum(s / share for s in shares) if share > 0 else float(on_node)
     stage_compute = _compute(p, cl, per_replica / micro, on_node, 1, busy=busy) * share
     schedule = c.get("schedule", "1f1b")

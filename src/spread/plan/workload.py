@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from spread.memory.measure import ActivationMeter
+from spread.pipeline import measured_costs
 from spread.plan._timing import interleaved_medians, same_optimizer, take, wait_for_device
 from spread.plan.concurrency import measure_contention, measure_in_process, measure_optimizer_contention
 
@@ -77,6 +78,11 @@ class ModelProfile:
     # bytes of the model's buffers (BatchNorm statistics): multi-process data parallelism averages
     # them in one more all-reduce after every optimizer step
     buffer_bytes: float = 0.0
+    # threads -> micro-batch samples -> forward+backward seconds of each block (``layers``' order),
+    # as PipelineStrategy measures them to cut its stages: a block's share of the time moves with the
+    # batch and thread count (a CNN's second conv block: 65% of the time at 128 samples, 58% at 32
+    # on one thread), and a stage runs micro-batches at its process's share of the cores
+    layer_seconds: dict[int, dict[int, tuple[float, ...]]] = field(default_factory=dict)
 
     def contention_factor(self, replicas: int) -> float:
         """How much slower each of ``replicas`` concurrent replicas computes than one alone would.
@@ -102,6 +108,18 @@ class ModelProfile:
         """Extra slowdown of ``replicas`` in-process replicas (thread replicas) over separate ones."""
         return _factor(self.in_process, replicas)
 
+    def layer_costs(self, batch: float, threads: int | None = None) -> list[float]:
+        """Each block's forward+backward cost on a micro-batch of ``batch`` samples with ``threads``
+        intra-op threads (the nearest measured batch and thread count), in ``layers``' order.
+
+        Profiles without per-batch figures: the blocks' shares at the profiled batch.
+        """
+        if not self.layer_seconds:
+            return [layer.time_share for layer in self.layers]
+        by_batch = self.layer_seconds[_nearest_threads(sorted(self.layer_seconds), threads)]
+        nearest = min(by_batch, key=lambda n: (abs(math.log(max(batch, 1e-9) / n)), -n))
+        return list(by_batch[nearest])
+
     def optimizer_time(self, threads: int | None = None) -> float:
         """Seconds of one optimizer step with ``threads`` intra-op threads (nearest measured count).
 
@@ -110,9 +128,7 @@ class ModelProfile:
         """
         if threads is None or not self.optimizer_by_threads:
             return self.optimizer_seconds
-        known = sorted(self.optimizer_by_threads)
-        nearest = min(known, key=lambda t: (abs(t - threads), -t))
-        return self.optimizer_by_threads[nearest]
+        return self.optimizer_by_threads[_nearest_threads(sorted(self.optimizer_by_threads), threads)]
 
     @property
     def dense_bytes(self) -> float:
@@ -120,9 +136,7 @@ class ModelProfile:
 
     def compute_seconds(self, batch: float, threads: int | None = None) -> float:
         """Forward+backward seconds for ``batch`` samples with ``threads`` intra-op threads."""
-        if threads is None or threads not in self.compute:
-            known = sorted(self.compute)
-            threads = min(known, key=lambda t: (abs(t - (threads or known[-1])), -t))
+        threads = _nearest_threads(sorted(self.compute), threads)
         if batch <= 0:
             return 0.0
         curve = self.compute_curve.get(threads, ())
@@ -145,6 +159,12 @@ class ModelProfile:
             return self.activation_bytes_per_sample
         kept = sum(layer.output_bytes_per_sample for layer in self.layers)
         return kept + max(layer.activation_bytes_per_sample for layer in self.layers)
+
+
+def _nearest_threads(known: list[int], threads: int | None) -> int:
+    """The measured thread count closest to ``threads`` (the larger on a tie; the most when None)."""
+    wanted = known[-1] if threads is None else threads
+    return min(known, key=lambda t: (abs(t - wanted), -t))
 
 
 def _on_curve(points: tuple[tuple[float, float], ...], batch: float) -> float:
@@ -259,9 +279,12 @@ def measure_model(
     compute: dict[int, tuple[float, float]] = {}
     optimizer_by_threads: dict[int, float] = {}
     opt = same_optimizer(optimizer, params) if optimizer is not None else None
-    # at least 2 samples: BatchNorm refuses to train on one
+    # at least 2 samples: BatchNorm refuses to train on one. Every halving down to a 16th: the
+    # per-sample cost is not a straight line between far-apart sizes (a CNN's 1-thread step: 2.95 ms
+    # per sample at 32, 3.9 at 128, 3.2 at 64, where the line through 32 and 128 said 3.6), and the
+    # batches a rank or pipeline stage runs are mostly a power-of-two share of the global batch.
     smallest, small = max(2, batch // 16), max(2, batch // 4)
-    sizes = sorted({smallest, small, batch})
+    sizes = sorted({max(2, batch >> halvings) for halvings in range(5)})
     curves: dict[int, tuple[tuple[float, float], ...]] = {}
     on_cpu = all(p.device.type == "cpu" for p in work.parameters())
     thread_counts = sorted({int(t) for t in threads}) if on_cpu else [previous_threads]
@@ -320,7 +343,8 @@ def measure_model(
         if opt is not None:
             optimizer_seconds = optimizer_by_threads[max(optimizer_by_threads)]
             optimizer_bytes = float(sum(_tensor_bytes(s) for s in opt.state.values()))
-        layers = _layer_profiles(work, x, forward)
+        layers = _layer_profiles(work, x)
+        layer_seconds = _layer_seconds(work, x, [n for n in sizes if n < batch] or [batch], thread_counts)
         split_backward = {
             n: max(1.0, medians[("split_later_blocks", most, n)] / medians[("plain_later_blocks", most, n)])
             for n in split_steps
@@ -345,6 +369,7 @@ def measure_model(
         optimizer_by_threads=optimizer_by_threads,
         compute_curve={t: c for t, c in curves.items() if len(c) >= 2},
         split_backward=split_backward,
+        layer_seconds=layer_seconds,
     )
     counts = sorted({int(k) for k in concurrency if 2 <= k <= batch}) if on_cpu else []
     if not counts:
@@ -425,47 +450,22 @@ def _arrival_curve(
     return tuple(points)
 
 
-def _block_seconds(block: nn.Module, x: torch.Tensor, repeats: int = 3) -> float:
-    """Forward+backward seconds of one block on ``x`` (fastest of ``repeats`` after a warm-up).
-
-    Backward counts: an embedding's forward is a cheap gather but its backward builds a dense
-    gradient of the whole table, so forward time alone would put a pipeline cut in the wrong place.
-    Gradients start from ``None`` each time, as in a training step.
-    """
-    params = [p for p in block.parameters() if p.requires_grad]
-
-    def run() -> None:
-        for p in params:
-            p.grad = None
-        y = block(x)
-        if y.requires_grad:
-            y.backward(torch.ones_like(y))
-
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        wait_for_device()
-        start = time.perf_counter()
-        run()
-        wait_for_device()
-        best = min(best, time.perf_counter() - start)
-    for p in params:
-        p.grad = None
-    return best
+def _is_chain(model: nn.Module, x: Any) -> bool:
+    """Whether ``model`` is a chain of blocks a pipeline cuts (an ``nn.Sequential`` on a tensor)."""
+    return isinstance(model, nn.Sequential) and len(model) >= 2 and isinstance(x, torch.Tensor)
 
 
-def _layer_profiles(model: nn.Module, x: Any, forward_seconds: float) -> tuple[LayerProfile, ...]:
-    """Per-block figures when the model is a chain of blocks (``nn.Sequential``); else none."""
-    if not isinstance(model, nn.Sequential) or len(model) < 2 or not isinstance(x, torch.Tensor):
+def _layer_profiles(model: nn.Module, sample: Any) -> tuple[LayerProfile, ...]:
+    """Per-block figures when the model is a chain of blocks; else none."""
+    if not _is_chain(model, sample):
         return ()
-    batch = x.shape[0]
+    batch = sample.shape[0]
     out = []
-    times = []
+    x = sample
     for name, block in model.named_children():
         counter = ActivationMeter(exclude=block.buffers())
         with counter:
             y = block(x)
-        times.append(_block_seconds(block, x))
         out.append(
             (
                 name,
@@ -475,6 +475,7 @@ def _layer_profiles(model: nn.Module, x: Any, forward_seconds: float) -> tuple[L
             )
         )
         x = y.detach().requires_grad_(y.is_floating_point())
+    times = measured_costs(list(model.children()), sample, repeats=3)
     total = sum(times) or 1.0
     return tuple(
         LayerProfile(
@@ -486,3 +487,26 @@ def _layer_profiles(model: nn.Module, x: Any, forward_seconds: float) -> tuple[L
         )
         for (n, p, a, o), t in zip(out, times, strict=True)
     )
+
+
+def _layer_seconds(
+    model: nn.Module, sample: Any, batches: list[int], thread_counts: list[int]
+) -> dict[int, dict[int, tuple[float, ...]]]:
+    """Per-block forward+backward seconds at each micro-batch size and thread count, measured as
+    PipelineStrategy measures them to place its cuts (:func:`spread.pipeline.measured_costs`).
+    Leaves the thread count as it found it; none for a model that is not a chain of blocks."""
+    if not _is_chain(model, sample):
+        return {}
+    on_cpu = sample.device.type == "cpu"
+    previous = torch.get_num_threads()
+    table: dict[int, dict[int, tuple[float, ...]]] = {}
+    try:
+        for t in thread_counts:
+            if on_cpu:
+                torch.set_num_threads(t)
+            table[t] = {
+                n: tuple(measured_costs(list(model.children()), take(sample, n), repeats=3)) for n in batches
+            }
+    finally:
+        torch.set_num_threads(previous)
+    return table
