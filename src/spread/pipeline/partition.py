@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from spread._device import wait_for_device
+
 BALANCE_BY = ("time", "params")
 
 
@@ -96,12 +98,6 @@ def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:
     return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
-def _wait_for(tensor: torch.Tensor) -> None:
-    """Let the accelerator finish queued work, so a timer reads the work and not its launch."""
-    if tensor.device.type == "cuda":
-        torch.cuda.synchronize(tensor.device)
-
-
 def measured_costs(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 5) -> list[float]:
     """Seconds of forward plus backward per layer on ``sample``: the fastest of ``repeats`` runs after
     one warm-up (on a shared machine, interference only ever adds time, so the minimum is the
@@ -122,12 +118,12 @@ def measured_costs(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: i
             out = None
             for r in range(repeats + 1):
                 inp = x.detach().requires_grad_(x.is_floating_point())
-                _wait_for(inp)
+                wait_for_device()
                 started = time.perf_counter()
                 out = layer(inp)
                 if isinstance(out, torch.Tensor) and out.requires_grad:
                     out.backward(torch.ones_like(out))
-                _wait_for(inp)
+                wait_for_device()
                 if r:
                     times.append(time.perf_counter() - started)
             costs.append(min(times))

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from spread._device import wait_for_device
+
 
 def take(batch: Any, n: int) -> Any:
     """The first ``n`` samples of ``batch`` (a tensor, or lists, tuples and dicts of them)."""
@@ -21,16 +23,6 @@ def take(batch: Any, n: int) -> Any:
     if isinstance(batch, dict):
         return {k: take(v, n) for k, v in batch.items()}
     return batch
-
-
-def wait_for_device() -> None:
-    """Wait for queued GPU work, so a wall-clock reading covers the kernels a call launched.
-
-    CUDA kernels run asynchronously: without this a timed call returns when its kernels are
-    queued, not done. On a CPU-only process it does nothing (and never initializes CUDA).
-    """
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def same_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -497,13 +497,11 @@ def _layer_seconds(
     Leaves the thread count as it found it; none for a model that is not a chain of blocks."""
     if not _is_chain(model, sample):
         return {}
-    on_cpu = sample.device.type == "cpu"
     previous = torch.get_num_threads()
     table: dict[int, dict[int, tuple[float, ...]]] = {}
     try:
-        for t in thread_counts:
-            if on_cpu:
-                torch.set_num_threads(t)
+        for t in thread_counts:  # on a GPU, the process's own count: nothing changes
+            torch.set_num_threads(t)
             table[t] = {
                 n: tuple(measured_costs(list(model.children()), take(sample, n), repeats=3)) for n in batches
             }
