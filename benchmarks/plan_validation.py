@@ -8,7 +8,7 @@ under ``spread run``). Reports the error of each prediction, the median absolute
 the recommended configuration was the measured best in each (workload, N) cell.
 
     python benchmarks/plan_validation.py [--workloads W1,W2,W3] [--procs 2,3,4] [--profile PATH]
-        [--steps 5] [--json results.json]
+        [--steps 5] [--passes 1] [--json results.json]
     python benchmarks/plan_validation.py --replay results.json [results2.json ...] [--reprofile]
     python benchmarks/plan_validation.py --confirm results.json [--rounds 2] [--steps 5]
 
@@ -17,6 +17,10 @@ predict the same configurations again with the current cost model, without measu
 see what a change to the model does to the error and the recommendations). Several files are merged.
 ``--reprofile`` profiles the models again first (to try a change to what the profile measures; the
 machine should be the one, and as quiet as the one, that measured the rows).
+``--passes K`` profiles each family and measures every configuration K times, in passes with the
+families in rotated order; a row reports the median of its passes' predictions and measurements (each
+pass predicts from a profile taken minutes before its measurements), and each pass's own error is
+printed beside it.
 ``--confirm results.json [--rounds 2]`` measures every configuration within 15% of its cell's best (and
 the recommended one) again in interleaved rounds, and ranks by those rounds alone (a fairer ranking on
 a machine whose speed drifts between configurations measured minutes apart).
@@ -200,6 +204,110 @@ def _factors(profile: ModelProfile) -> str:
     )
 
 
+def _grid(profile: ModelProfile, cluster: ClusterModel, global_batch: int, strategies: tuple[str, ...]):
+    """The predictions of ``spread plan``'s grid that the suite measures."""
+    plan = make_plan(profile, cluster, Options(global_batch=global_batch), strategies)
+    for prediction in plan.predictions:
+        c = prediction.candidate
+        if c.strategy == "pipeline" and c.get("microbatches") not in (
+            2 * c.get("stages"),
+            4 * c.get("stages"),
+        ):
+            continue  # two micro-batch counts per stage count keep the grid affordable
+        if c.strategy == "parameter_server" and c.get("servers") != 1:
+            continue
+        yield prediction
+
+
+def _measure_pass(saved: dict, number: int, names: list[str], counts: list[int], args) -> None:
+    """Profile each family afresh and measure its configurations: one pass over the suite.
+
+    The first pass sets the grid (``spread plan``'s candidates on the first profile); later passes
+    measure the same rows again, the families in rotated order and each family's rows reversed on odd
+    passes, so no row is always measured at the same point of the run. Each pass predicts from the
+    profile it took minutes before its measurements (this VM's speed moves by 20-40% within minutes;
+    a profile taken once, 40 minutes before a row's last measurement, shifts a whole family's error).
+    A row keeps every pass (``passes``) and reports the median prediction and the median measurement.
+    """
+    calibration = CalibrationProfile.from_json(saved["calibration"], source=args.profile)
+    saved["pass_profiles"].append({})
+    shift = number % len(names)
+    for name in names[shift:] + names[:shift]:
+        profile = _profile_workload(name, counts, args.profile_seconds)
+        saved["pass_profiles"][number][name] = asdict(profile)
+        saved["profiles"].setdefault(name, asdict(profile))
+        print(f"pass {number + 1}, {name}: {_factors(profile)}", file=sys.stderr)
+        if number == 0:
+            todo = [
+                (n, prediction)
+                for n in counts
+                for prediction in _grid(
+                    profile,
+                    ClusterModel.from_profile(calibration, devices_per_node=n),
+                    profile.batch,  # profiled on one global batch
+                    tuple(args.strategies.split(",")),
+                )
+            ]
+        else:
+            mine = [r for r in saved["rows"] if r["workload"] == name]
+            todo = [(r["procs"], _predict_row(r, profile, calibration)) for r in mine]
+            if number % 2:
+                todo.reverse()
+        for n, prediction in todo:
+            started = time.perf_counter()
+            seconds = _measure(name, prediction.candidate, args.steps, args.timeout)
+            measured = {
+                "predicted_ms": prediction.step_seconds * 1e3,
+                "predicted_rate": prediction.samples_per_second,
+                "measured_ms": None if seconds is None else seconds * 1e3,
+                "wall_s": time.perf_counter() - started,
+            }
+            if number == 0:
+                c = prediction.candidate
+                row = {
+                    "workload": name,
+                    "procs": n,
+                    "global_batch": profile.batch,
+                    "config": c.label,
+                    "candidate": {"strategy": c.strategy, "devices": c.devices, "settings": list(c.settings)},
+                    "passes": [],
+                }
+                saved["rows"].append(row)
+            else:
+                (row,) = [r for r in saved["rows"] if (r["workload"], r["procs"], r["config"]) ==
+                          (name, n, prediction.candidate.label)]  # fmt: skip
+            row["passes"].append(measured)
+            row.update(_pass_medians(row["passes"]))
+            print(json.dumps({"pass": number + 1, "workload": name, "procs": n, "config": row["config"],
+                              **measured}), file=sys.stderr)  # fmt: skip
+            if args.json:  # written as it goes: a long run that dies keeps what it measured
+                Path(args.json).write_text(json.dumps(saved, indent=1))
+
+
+def _predict_row(row: dict, profile: ModelProfile, calibration: CalibrationProfile):
+    """``row``'s configuration predicted again from ``profile``."""
+    cluster = ClusterModel.from_profile(calibration, devices_per_node=row["procs"])
+    return predict(_candidate(row), profile, cluster, Options(global_batch=row["global_batch"]))
+
+
+def _pass_medians(passes: list[dict]) -> dict:
+    """A row's prediction, measurement and error over its passes: the median of each.
+
+    The prediction and the measurement are medians taken separately (a failed measurement leaves
+    its pass's prediction in); the recommendation ranks by the median predicted rate.
+    """
+    measured = [p["measured_ms"] for p in passes if p["measured_ms"] is not None]
+    predicted_ms = statistics.median(p["predicted_ms"] for p in passes)
+    measured_ms = statistics.median(measured) if measured else None
+    return {
+        "predicted_ms": predicted_ms,
+        "predicted_rate": statistics.median(p["predicted_rate"] for p in passes),
+        "measured_ms": measured_ms,
+        "error": None if measured_ms is None else predicted_ms / measured_ms - 1,
+        "wall_s": sum(p["wall_s"] for p in passes),
+    }
+
+
 def _candidate(row: dict) -> Candidate:
     c = row["candidate"]
     return Candidate(c["strategy"], c["devices"], tuple((k, v) for k, v in c["settings"]))
@@ -325,6 +433,7 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
             f"| {len(here)} | {close} of {len(here)} ({close / len(here):.0%}) "
             f"| {paired} of {len(here)} ({paired / len(here):.0%}) |"
         )
+    _pass_errors(rows)
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if errors and cells:
         hits = sum(c["hit"] for c in cells)
@@ -334,6 +443,23 @@ def _summary(rows: list[dict], cells: list[dict]) -> None:
             f"recommendation = measured best in {hits} of {len(cells)} cells ({hits / len(cells):.0%}); "
             f"within 5% of the best in {close} of {len(cells)}"
         )
+
+
+def _pass_errors(rows: list[dict]) -> None:
+    """With ``--passes``: each pass's median absolute error on its own (its prediction against its
+    measurement), beside the medians' error: how much one profile and one measurement scatter."""
+    count = max((len(r.get("passes", ())) for r in rows), default=0)
+    if count < 2:
+        return
+    cells = []
+    for number in range(count):
+        errors = [
+            abs(p["predicted_ms"] / p["measured_ms"] - 1)
+            for r in rows
+            if len(r.get("passes", ())) > number and (p := r["passes"][number])["measured_ms"]
+        ]
+        cells.append(f"pass {number + 1}: {statistics.median(errors):.0%} over {len(errors)}")
+    print("\nmedian absolute error of each pass alone: " + "; ".join(cells))
 
 
 def _profile_workload(name: str, procs: list[int], min_seconds: float) -> ModelProfile:
@@ -390,23 +516,34 @@ def _replay(
                 procs = [r["procs"] for r in data["rows"] if r["workload"] == name]
                 profiles[name] = _profile_workload(name, procs, profile_seconds)
                 print(f"{name}: {_factors(profiles[name])}", file=sys.stderr)
+        # one profile per pass (--passes): each pass's rows are predicted again from its own profile
+        by_pass = [
+            {name: _profile_from_json(p) for name, p in taken.items()}
+            for taken in data.get("pass_profiles", [])
+        ]
+        if reprofile or not by_pass:
+            by_pass = [profiles]
         first = len(rows)
         for row in data["rows"]:
-            candidate = _candidate(row)
-            cluster = ClusterModel.from_profile(calibration, devices_per_node=row["procs"])
-            options = Options(global_batch=row["global_batch"])
-            prediction = predict(candidate, profiles[row["workload"]], cluster, options)
+            predictions = [
+                _predict_row(row, taken[row["workload"]], calibration)
+                for taken in by_pass
+                if row["workload"] in taken
+            ]
+            predicted_ms = statistics.median(p.step_seconds * 1e3 for p in predictions)
             measured = row["measured_ms"]
             rows.append(
                 {
                     **row,
-                    "predicted_ms": prediction.step_seconds * 1e3,
-                    "predicted_rate": prediction.samples_per_second,
-                    "error": None if measured is None else prediction.step_seconds * 1e3 / measured - 1,
+                    "predicted_ms": predicted_ms,
+                    "predicted_rate": statistics.median(p.samples_per_second for p in predictions),
+                    "error": None if measured is None else predicted_ms / measured - 1,
                 }
             )
         if save:
             mine = {"rows": rows[first:], "profiles": {n: asdict(p) for n, p in profiles.items()}}
+            if len(by_pass) > 1:
+                mine["pass_profiles"] = data["pass_profiles"]
             Path(save).write_text(json.dumps({**mine, "calibration": data["calibration"]}, indent=1))
     _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))
 
@@ -473,6 +610,12 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --confirm: extra interleaved rounds")
     parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="profile and measure every configuration this many times, in rotated order (median)",
+    )
+    parser.add_argument(
         "--profile-seconds",
         type=float,
         default=PROFILE_SECONDS,
@@ -498,47 +641,13 @@ def main() -> None:
         print(f"calibrating into {args.profile} ...", file=sys.stderr)
         calibrate(args.profile)
     calibration = load_profile(args.profile)
-    rows, profiles = [], {}
-    for name in args.workloads.split(","):
-        counts = sorted({int(n) for n in args.procs.split(",")})
-        profile = _profile_workload(name, counts, args.profile_seconds)
-        global_batch = profile.batch  # profiled on one global batch
-        profiles[name] = asdict(profile)
-        print(f"{name}: {_factors(profile)}", file=sys.stderr)
-        for n in counts:
-            cluster = ClusterModel.from_profile(calibration, devices_per_node=n)
-            plan = make_plan(
-                profile, cluster, Options(global_batch=global_batch), tuple(args.strategies.split(","))
-            )
-            for prediction in plan.predictions:
-                c = prediction.candidate
-                if c.strategy == "pipeline" and c.get("microbatches") not in (
-                    2 * c.get("stages"),
-                    4 * c.get("stages"),
-                ):
-                    continue  # two micro-batch counts per stage count keep the grid affordable
-                if c.strategy == "parameter_server" and c.get("servers") != 1:
-                    continue
-                started = time.perf_counter()
-                seconds = _measure(name, prediction.candidate, args.steps, args.timeout)
-                row = {
-                    "workload": name,
-                    "procs": n,
-                    "global_batch": global_batch,
-                    "config": c.label,
-                    "candidate": {"strategy": c.strategy, "devices": c.devices, "settings": list(c.settings)},
-                    "predicted_ms": prediction.step_seconds * 1e3,
-                    "predicted_rate": prediction.samples_per_second,
-                    "measured_ms": None if seconds is None else seconds * 1e3,
-                    "error": None if seconds is None else prediction.step_seconds / seconds - 1,
-                    "wall_s": time.perf_counter() - started,
-                }
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr)
-                if args.json:  # written as it goes: a long run that dies keeps what it measured
-                    saved = {"rows": rows, "profiles": profiles, "calibration": calibration.to_json()}
-                    Path(args.json).write_text(json.dumps(saved, indent=1))
+    names = args.workloads.split(",")
+    counts = sorted({int(n) for n in args.procs.split(",")})
+    saved: dict = {"rows": [], "profiles": {}, "calibration": calibration.to_json(), "pass_profiles": []}
+    for number in range(args.passes):
+        _measure_pass(saved, number, names, counts, args)
     print(f"machine: {calibration.machine}; calibration {args.profile} measured {calibration.measured_at}")
+    rows = saved["rows"]
     _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))
 
 

@@ -16,7 +16,7 @@ from spread.plan.workload import measure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from plan_validation import _cells, _job_step_seconds, _profile_from_json  # noqa: E402
+from plan_validation import _cells, _job_step_seconds, _pass_medians, _profile_from_json  # noqa: E402
 
 
 def _row(config: str, measured: float, rate: float, **extra) -> dict:
@@ -138,3 +138,27 @@ def test_a_profile_written_to_the_suites_json_reads_back_the_same():
     )
     assert profile.layer_seconds and profile.compute_curve and profile.split_backward
     assert _profile_from_json(json.loads(json.dumps(asdict(profile)))) == profile
+
+
+def _pass(predicted: float, measured: float | None) -> dict:
+    return {
+        "predicted_ms": predicted,
+        "predicted_rate": 1000.0 / predicted,
+        "measured_ms": measured,
+        "wall_s": 1.0,
+    }
+
+
+def test_a_row_measured_in_several_passes_reports_the_median_prediction_and_measurement():
+    row = _pass_medians([_pass(10.0, 20.0), _pass(14.0, 12.0), _pass(11.0, 13.0)])
+    assert (row["predicted_ms"], row["measured_ms"]) == (11.0, 13.0)
+    assert row["error"] == pytest.approx(11.0 / 13.0 - 1)
+    assert row["predicted_rate"] == pytest.approx(1000.0 / 11.0)
+    assert row["wall_s"] == 3.0
+
+
+def test_a_failed_pass_keeps_its_prediction_and_a_row_that_never_measured_has_no_error():
+    row = _pass_medians([_pass(10.0, None), _pass(12.0, 15.0)])
+    assert (row["predicted_ms"], row["measured_ms"]) == (11.0, 15.0)
+    never = _pass_medians([_pass(10.0, None)])
+    assert never["measured_ms"] is None and never["error"] is None
