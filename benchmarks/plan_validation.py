@@ -532,9 +532,16 @@ def _replay(
             ]
             predicted_ms = statistics.median(p.step_seconds * 1e3 for p in predictions)
             measured = row["measured_ms"]
+            passes = row.get("passes")
+            if passes and len(predictions) == len(passes):  # each pass's own error, predicted anew
+                passes = [
+                    {**taken, "predicted_ms": p.step_seconds * 1e3, "predicted_rate": p.samples_per_second}
+                    for taken, p in zip(passes, predictions, strict=True)
+                ]
             rows.append(
                 {
                     **row,
+                    **({"passes": passes} if passes else {}),
                     "predicted_ms": predicted_ms,
                     "predicted_rate": statistics.median(p.samples_per_second for p in predictions),
                     "error": None if measured is None else predicted_ms / measured - 1,

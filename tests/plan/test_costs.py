@@ -19,6 +19,7 @@ from spread.plan.costs import (
     pipeline_memory,
     pipeline_slots,
     pipeline_step_time,
+    prefetched_exposure,
 )
 
 LINK = Link(alpha=1e-3, beta=1e9)  # 1 ms per message, 1 GB/s
@@ -170,3 +171,19 @@ def test_bucket_ready_fractions_follow_the_arrival_curve():
     ready = bucket_ready_fractions([1, 1], ((0.1, 0.9),))
     assert exposed_communication(1.0, [0.4, 0.4], 1.0, ready) == pytest.approx(0.4)
     assert exposed_communication(1.0, [0.4, 0.1], 1.0, ready) == pytest.approx(0.1)
+
+
+def test_a_prefetched_transfer_hides_only_behind_the_compute_just_before_it():
+    # the first is waited for whole; the second hides 4 of its 5 behind a 4 s window; the third fully
+    assert prefetched_exposure([2.0, 5.0, 1.0], [4.0, 3.0]) == pytest.approx(2.0 + 1.0)
+    # compute that does not overlap hides nothing; half-speed overlap hides half the window
+    assert prefetched_exposure([2.0, 5.0, 1.0], [4.0, 3.0], overlap=0.0) == pytest.approx(8.0)
+    assert prefetched_exposure([2.0, 5.0, 1.0], [4.0, 3.0], overlap=0.5) == pytest.approx(2.0 + 3.0)
+    assert prefetched_exposure([], []) == 0.0 and prefetched_exposure([3.0], []) == 3.0
+
+
+def test_prefetched_exposure_refuses_missing_windows_and_a_bad_overlap():
+    with pytest.raises(ValueError, match="3 transfers need 2 windows"):
+        prefetched_exposure([1.0, 1.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="overlap"):
+        prefetched_exposure([1.0], [], overlap=1.5)

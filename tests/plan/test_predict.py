@@ -412,6 +412,64 @@ def test_sharded_collectives_run_on_their_own_calibrated_link():
     assert _cluster().shard_link() == _cluster().intra["native"]
 
 
+def _exposed_gathers(gathers: list[float], fwd: list[float], bwd: list[float]) -> float:
+    """By hand: the first gather of each pass waited for whole, each next one less its window."""
+    first = gathers[0] + sum(max(0.0, g - w) for g, w in zip(gathers[1:], fwd, strict=True))
+    back = gathers[::-1]
+    return first + back[0] + sum(max(0.0, g - w) for g, w in zip(back[1:], bwd, strict=True))
+
+
+def test_a_units_gather_hides_only_behind_the_layers_just_before_it():
+    """At "parameters" each unit is gathered before its forward and again before its backward, the
+    next one prefetched: it hides behind the compute between the two units, not the whole step's.
+    Four 2.5 MB units (12.5 ms a gather on the toy link); with the compute piled into the first
+    layer, forward's later gathers and backward's all find almost nothing to hide behind."""
+    options = Options(global_batch=100)
+    c = Candidate("sharded", 2, (("shard", "parameters"),))
+    even = predict(c, _profile(), _cluster(), options)
+    shares = (0.97, 0.01, 0.01, 0.01)
+    front = _profile(
+        layers=tuple(replace(la, time_share=s) for la, s in zip(_profile().layers, shares, strict=True))
+    )
+    piled = predict(c, front, _cluster(), options)
+    half = even.parts["compute"] / 2  # forward or backward, backward_fraction 0.5
+    g = [0.0125] * 4
+    by_hand_even = _exposed_gathers(g, [half / 4] * 3, [half / 4] * 3)
+    by_hand_piled = _exposed_gathers(g, [half * s for s in shares[:3]], [half * s for s in shares[:0:-1]])
+    assert piled.step_seconds - even.step_seconds == pytest.approx(by_hand_piled - by_hand_even)
+    assert by_hand_piled > by_hand_even
+
+
+def test_sharded_gather_waits_cost_a_wake_up_each_with_more_processes_than_cores():
+    """4 processes on 2 cores: each of the 2 x 4 gather waits a step makes at "parameters" costs the
+    calibration's busy_handoff; at "gradients" (one gather of every block after the step) and with a
+    core each, nothing."""
+    options = Options(global_batch=100)
+    crowded = _cluster(devices_per_node=4)
+    for shard, waits in (("parameters", 8), ("gradients", 0)):
+        c = Candidate("sharded", 4, (("shard", shard),))
+        quick = predict(c, _profile(), crowded, options)
+        slow = predict(c, _profile(), replace(crowded, busy_handoff=0.003), options)
+        assert slow.step_seconds - quick.step_seconds == pytest.approx(waits * 0.003)
+    c = Candidate("sharded", 4, (("shard", "parameters"),))
+    roomy = _cluster(devices_per_node=4, cores_per_node=4)
+    assert predict(c, _profile(), replace(roomy, busy_handoff=0.003), options).step_seconds == pytest.approx(
+        predict(c, _profile(), roomy, options).step_seconds
+    )
+
+
+def test_below_parameters_the_blocks_are_the_strategys_buckets_not_the_layers():
+    """At "gradients" ShardedStrategy packs parameters into blocks of up to bucket_cap_mb, one
+    reduction and one gather each: the toy's four 2.5 MB layers are one 10 MB block by default (two
+    1 ms message latencies a step), four at 2.5 MB buckets (eight)."""
+    c = Candidate("sharded", 2, (("shard", "gradients"),))
+    intra = {**_cluster().intra, "shard": Link(1e-3, 1e8)}
+    one = predict(c, _profile(), _cluster(intra=intra), Options(global_batch=100))
+    four = predict(c, _profile(), _cluster(intra=intra), Options(global_batch=100, bucket_bytes=2.5 * MB))
+    assert one.parts["communication"] == pytest.approx(2 * 1e-3 + 0.1)
+    assert four.parts["communication"] == pytest.approx(8 * 1e-3 + 0.1)
+
+
 def test_collectives_are_time_sliced_with_more_processes_than_cores():
     """4 processes on 2 cores: gloo's exchange is CPU work and waits for a core like compute does."""
     c = Candidate("multi_worker_mirrored", 4, (("communication", "shm"),))

@@ -154,6 +154,27 @@ def exposed_communication(
     return max(0.0, cursor - backward_s)
 
 
+def prefetched_exposure(transfers: list[float], windows: list[float], overlap: float = 1.0) -> float:
+    """Seconds a chain of prefetched transfers holds up the compute that needs them.
+
+    Transfer 0 is waited for at once (nothing ran before it to hide it); transfer ``i`` starts when
+    item ``i - 1`` starts computing and must be done when item ``i`` does: ``windows[i - 1]`` seconds
+    of compute in between, during which it advances at rate ``overlap`` (as for
+    :func:`exposed_communication`). ShardedStrategy gathers a unit's parameters this way, one unit
+    ahead: a unit's gather hides only behind the compute before it, not behind the whole step's.
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap!r}")
+    if len(windows) < len(transfers) - 1:
+        raise ValueError(f"{len(transfers)} transfers need {len(transfers) - 1} windows, got {len(windows)}")
+    if not transfers:
+        return 0.0
+    return transfers[0] + sum(
+        max(0.0, cost - overlap * w)
+        for cost, w in zip(transfers[1:], windows[: len(transfers) - 1], strict=True)
+    )
+
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb")
 
 

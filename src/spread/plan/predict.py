@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from spread.pipeline import balanced_bounds
@@ -29,6 +30,7 @@ from spread.plan.costs import (
     pipeline_bubble,
     pipeline_memory,
     pipeline_step_time,
+    prefetched_exposure,
     server_seconds_per_step,
     shard_collective_time,
     sharded_memory,
@@ -302,34 +304,47 @@ def _data_parallel(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
 
 
 def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
-    """ShardedStrategy with one unit per top-level layer (units of the whole model would gather it
-    all at once, which is not what sharding parameters is for). Gradients are reduced per unit as
-    backward produces them (all-reduce at ``"optimizer"``, reduce-scatter above), overlapping it as
-    MultiWorkerMirrored's buckets do; each rank updates ``1/n`` of the state, then the parameters are
-    all-gathered: once after the step at ``"optimizer"``/``"gradients"``, per unit before forward and
-    again before backward at ``"parameters"``, the next unit's prefetched during the current one's
-    compute (hidden up to the measured overlap)."""
+    """ShardedStrategy as it holds its parameters. At ``"optimizer"`` and ``"gradients"``: in blocks
+    of up to ``bucket_bytes``, as MultiWorkerMirrored's buckets, reduced as backward fills them (an
+    all-reduce at ``"optimizer"``, a reduce-scatter above), each rank updating ``1/n`` of the state,
+    then every block all-gathered at once after the step. At ``"parameters"``: one block per unit
+    (each top-level layer with parameters; the whole model where the profile has no layers),
+    reduced as backward produces it, and gathered twice a step, before the unit's forward and again
+    before its backward, the next unit's prefetched behind the current one's compute
+    (:func:`prefetched_exposure`: a unit's gather hides only behind the compute just before it).
+    Each of those waits, with more processes than cores, also costs a wake-up (the calibration's
+    ``busy_handoff``), as a pipeline stage's do."""
     n, shard = c.devices, c.get("shard", "parameters")
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
     compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node, synchronous=True)
-    backward = compute / o.accumulation_steps * p.backward_fraction
-    units = [layer.param_bytes for layer in p.layers if layer.param_bytes > 0] or [p.param_bytes]
+    micro_step = compute / o.accumulation_steps
+    backward = micro_step * p.backward_fraction
+    unit_layers = [i for i, layer in enumerate(p.layers) if layer.param_bytes > 0]
+    if shard == "parameters":
+        blocks = [p.layers[i].param_bytes for i in unit_layers] or [p.param_bytes]
+    else:
+        blocks = bucket_sizes(p.param_bytes, o.bucket_bytes)
     link = cl.shard_link()
     sliced = _core_share(cl, per_node, None)[1] * cl.collective_in_step  # as for data parallelism
     if shard == "optimizer":
-        reductions = [allreduce_time("native", u, n, cl.link("native")) * sliced for u in units]
+        reductions = [allreduce_time("native", b, n, cl.link("native")) * sliced for b in blocks]
     else:
-        reductions = [shard_collective_time(u, n, link) * sliced for u in units]
-    ready = bucket_ready_fractions(units, p.gradient_arrival)
+        reductions = [shard_collective_time(b, n, link) * sliced for b in blocks]
+    ready = bucket_ready_fractions(blocks, p.gradient_arrival)
     exposed_reduce = exposed_communication(backward, reductions, cl.overlap, ready)
-    gather_once = sum(shard_collective_time(u, n, link) for u in units) * sliced
+    gathered = [shard_collective_time(b, n, link) * sliced for b in blocks]
     if shard == "parameters":
-        gathers = 2 * gather_once * o.accumulation_steps
-        first = shard_collective_time(units[0], n, link) * sliced
-        exposed_gather = max(first, gathers - cl.overlap * compute)
+        forward_windows, backward_windows = _unit_windows(p, unit_layers, local, per_node, cl, micro_step)
+        exposed_gather = prefetched_exposure(gathered, forward_windows, cl.overlap) + prefetched_exposure(
+            gathered[::-1], backward_windows, cl.overlap
+        )
+        crowded = cl.cores_per_node is not None and per_node > cl.cores_per_node
+        exposed_gather += 2 * len(blocks) * cl.busy_handoff if crowded else 0.0
+        exposed_gather *= o.accumulation_steps
+        gathers = 2 * sum(gathered) * o.accumulation_steps
     else:
-        gathers = exposed_gather = gather_once
+        gathers = exposed_gather = sum(gathered)
     opt = _optimizer(p, cl, per_node, per_node) / n
     exposed_reduce += _meetings(p, cl, n, per_node)
     step = compute + exposed_reduce + exposed_gather + opt
@@ -340,7 +355,7 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         math.ceil(local / o.accumulation_steps),
         n=n,
         shard=shard,
-        largest_unit_bytes=max(units),
+        largest_unit_bytes=max(blocks),
     )
     note = (
         f"{sum(reductions) * 1e3:.1f} ms of gradient reduction and {gathers * 1e3:.1f} ms of parameter "
@@ -353,6 +368,27 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         "optimizer": opt,
     }
     return step, o.global_batch / step, memory, note, parts
+
+
+def _unit_windows(
+    p: ModelProfile, unit_layers: list[int], local: float, per_node: int, cl: ClusterModel, micro_step: float
+) -> tuple[list[float], list[float]]:
+    """Seconds of compute each prefetched unit gather can hide behind, in forward and in backward.
+
+    In forward, unit ``i``'s gather starts as unit ``i - 1`` starts and hides behind the layers from
+    it up to unit ``i``; in backward (units in reverse), unit ``i``'s starts as backward reaches unit
+    ``i + 1``'s output, behind the layers after unit ``i`` up to unit ``i + 1``. Layers' shares of
+    ``micro_step`` are their measured costs at the rank's batch and threads."""
+    if len(unit_layers) < 2:
+        return [], []
+    costs = p.layer_costs(local, _core_share(cl, per_node, None)[0])
+    total = sum(costs) or 1.0
+    forward = micro_step * (1.0 - p.backward_fraction) / total
+    backward = micro_step * p.backward_fraction / total
+    pairs = list(pairwise(unit_layers))
+    forward_windows = [forward * sum(costs[a:b]) for a, b in pairs]
+    backward_windows = [backward * sum(costs[a + 1 : b + 1]) for a, b in reversed(pairs)]
+    return forward_windows, backward_windows
 
 
 def _server_apply_rate(p: ModelProfile, cl: ClusterModel, processes_per_node: int, busy: float) -> float:
