@@ -31,6 +31,7 @@ def _profile() -> CalibrationProfile:
         collective_in_step=1.8,
         sync_wait=0.004,
         busy_handoff=0.003,
+        shard_unit_seconds=0.002,
         samples={"native": [[4096.0, 0.0012, 2.0]]},
     )
 
@@ -46,6 +47,7 @@ def test_cluster_from_profile_uses_its_links_and_cores():
     assert cluster.intra["shm"] == Link(2e-5, 8e9)
     assert cluster.cores_per_node == 4 and cluster.overlap == 0.25 and cluster.collective_in_step == 1.8
     assert cluster.busy_handoff == 0.003 and cluster.sync_wait == 0.004
+    assert cluster.shard_unit_seconds == 0.002
     assert cluster.link("native") == cluster.inter  # more than one node: the network
 
 
@@ -63,6 +65,8 @@ def test_cluster_from_profile_uses_its_links_and_cores():
         ({"sync_wait": -0.001}, "'sync_wait'"),
         ({"sync_wait": 2.0}, "'sync_wait'"),
         ({"sync_wait": True}, "'sync_wait'"),
+        ({"shard_unit_seconds": -0.001}, "'shard_unit_seconds'"),
+        ({"shard_unit_seconds": "slow"}, "'shard_unit_seconds'"),
         ({"links": {}}, "'links'"),
         ({"links": {"native": {"alpha": 1}}}, "link 'native'"),
     ],
@@ -78,10 +82,15 @@ def test_malformed_profiles_name_the_field(tmp_path, change, message):
 
 def test_a_profile_from_before_the_in_step_factor_loads_as_one(tmp_path):
     data = _profile().to_json()
-    del data["collective_in_step"], data["busy_handoff"], data["sync_wait"]
+    del data["collective_in_step"], data["busy_handoff"], data["sync_wait"], data["shard_unit_seconds"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_profile(tmp_path / "old.json")
-    assert (old.collective_in_step, old.busy_handoff, old.sync_wait) == (1.0, 0.0, 0.0)
+    assert (old.collective_in_step, old.busy_handoff, old.sync_wait, old.shard_unit_seconds) == (
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+    )
 
 
 def test_missing_and_non_json_files(tmp_path):
@@ -128,6 +137,7 @@ def test_quick_calibration_measures_every_algorithm(tmp_path):
     assert profile.matmul_flops > 0 and 0.0 <= profile.overlap <= 1.0
     assert 0.0 < profile.busy_handoff < 1.0  # busy children forked beside the ranks, then reaped
     assert 0.0 <= profile.sync_wait < 1.0
+    assert 0.0 < profile.shard_unit_seconds < 1.0  # a ShardedStrategy unit's cycle costs something
     assert load_profile(tmp_path / "cal.json") == profile
 
 

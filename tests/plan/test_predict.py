@@ -458,6 +458,20 @@ def test_sharded_gather_waits_cost_a_wake_up_each_with_more_processes_than_cores
     )
 
 
+def test_each_parameters_unit_costs_the_calibrated_unit_seconds_beyond_its_bytes():
+    """A unit's two gathers and reduction, as ShardedStrategy runs them, cost the calibration's
+    shard_unit_seconds a step (allocation, packing, three meetings): 4 units, 4 x 2 ms; nothing
+    below "parameters", whose blocks are gathered once after the step."""
+    options = Options(global_batch=100)
+    for shard, units in (("parameters", 4), ("gradients", 0), ("optimizer", 0)):
+        c = Candidate("sharded", 2, (("shard", shard),))
+        bare = predict(c, _profile(), _cluster(), options)
+        costed = predict(c, _profile(), _cluster(shard_unit_seconds=0.002), options)
+        assert costed.step_seconds - bare.step_seconds == pytest.approx(units * 0.002)
+    with pytest.raises(ValueError, match="shard_unit_seconds"):
+        _cluster(shard_unit_seconds=-1.0)
+
+
 def test_below_parameters_the_blocks_are_the_strategys_buckets_not_the_layers():
     """At "gradients" ShardedStrategy packs parameters into blocks of up to bucket_cap_mb, one
     reduction and one gather each: the toy's four 2.5 MB layers are one 10 MB block by default (two

@@ -5,6 +5,7 @@ Schema (version 1)::
     {"schema": 1, "machine": "...", "measured_at": "...", "device_type": "cpu", "devices": 2,
      "memory_per_device": 25769803776, "memory_bandwidth": 1.6e10, "matmul_flops": 7.1e10,
      "overlap": 0.5, "collective_in_step": 1.4, "sync_wait": 0.004, "busy_handoff": 0.002,
+     "shard_unit_seconds": 0.002,
      "links": {"native": {"alpha": 6e-4, "beta": 7.8e8}, "shm": {...}, ...},
      "samples": {"native": [[bytes, seconds, ranks], ...], ...}}
 
@@ -53,6 +54,10 @@ class CalibrationProfile:
     # one-way seconds for a message to wake a peer that waits for it while every core is busy
     # (a pipeline stage on a node with more busy processes than cores; 0 where not measured)
     busy_handoff: float = 0.0
+    # seconds a unit of ShardedStrategy(shard="parameters") adds to a step beyond its bytes: its two
+    # gathers and one reduction as the strategy runs them (buffers allocated and packed, the ranks
+    # meeting three times between compute); 2.2-2.4 ms on the 2-core VM; 0 where not measured
+    shard_unit_seconds: float = 0.0
     device_type: str = "cpu"  # "cpu": devices are cores shared by the processes; else accelerators
     measured_at: str = ""
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -71,6 +76,7 @@ class CalibrationProfile:
             "collective_in_step": self.collective_in_step,
             "sync_wait": self.sync_wait,
             "busy_handoff": self.busy_handoff,
+            "shard_unit_seconds": self.shard_unit_seconds,
             "links": {name: {"alpha": link.alpha, "beta": link.beta} for name, link in self.links.items()},
             "samples": self.samples,
         }
@@ -127,6 +133,11 @@ class CalibrationProfile:
             raise CalibrationError(
                 f"{source}: field 'busy_handoff' must be a number of seconds in [0, 1), got {handoff!r}"
             )
+        unit = data.get("shard_unit_seconds", 0.0)  # older profiles: not measured
+        if isinstance(unit, bool) or not isinstance(unit, int | float) or not 0.0 <= unit < 1.0:
+            raise CalibrationError(
+                f"{source}: field 'shard_unit_seconds' must be a number of seconds in [0, 1), got {unit!r}"
+            )
         samples = data.get("samples", {})
         if not isinstance(samples, dict):
             raise CalibrationError(f"{source}: field 'samples' must be an object")
@@ -141,6 +152,7 @@ class CalibrationProfile:
             collective_in_step=float(in_step),
             sync_wait=float(sync_wait),
             busy_handoff=float(handoff),
+            shard_unit_seconds=float(unit),
             device_type=str(data.get("device_type", "cpu")),
             measured_at=str(data.get("measured_at", "")),
             samples=samples,

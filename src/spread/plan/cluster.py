@@ -43,6 +43,7 @@ class ClusterModel:
     sync_wait: float = 0.0  # seconds a synchronous step loses where its ranks meet, whatever the bytes
     server_apply_bytes_per_s: float = 4e9  # a parameter server applying an update (memory bound)
     busy_handoff: float = 0.0  # seconds to wake a waiting process when every core is busy (CPU)
+    shard_unit_seconds: float = 0.0  # a ShardedStrategy "parameters" unit's step cost beyond bytes
     cores_per_node: int | None = None  # CPU devices: processes on a node share these cores
     source: str = "defaults"
 
@@ -67,6 +68,8 @@ class ClusterModel:
             raise ValueError(f"sync_wait must be in [0, 1) seconds, got {self.sync_wait!r}")
         if not 0.0 <= self.busy_handoff < 1.0:
             raise ValueError(f"busy_handoff must be in [0, 1) seconds, got {self.busy_handoff!r}")
+        if not 0.0 <= self.shard_unit_seconds < 1.0:
+            raise ValueError(f"shard_unit_seconds must be in [0, 1) seconds, got {self.shard_unit_seconds!r}")
         if not self.collective_in_step >= 1.0:
             raise ValueError(f"collective_in_step must be >= 1, got {self.collective_in_step!r}")
         missing = {"native", "ring", "reduce_to_one", "shm", "memory", "ps"} - set(self.intra)
@@ -122,6 +125,7 @@ class ClusterModel:
             sync_wait=profile.sync_wait,
             server_apply_bytes_per_s=profile.memory_bandwidth,
             busy_handoff=profile.busy_handoff,
+            shard_unit_seconds=profile.shard_unit_seconds,
             cores_per_node=profile.devices if profile.device_type == "cpu" else None,
             source=f"calibration {profile.machine}",
         )

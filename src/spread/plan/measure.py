@@ -140,6 +140,7 @@ def measure_machine(
         collective_in_step=median("collective_in_step", 1.0),
         sync_wait=median("sync_wait", 0.0),
         busy_handoff=median("busy_handoff", 0.0),
+        shard_unit_seconds=median("shard_unit_seconds", 0.0),
         device_type="cuda" if cuda else "cpu",
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         samples=samples,

@@ -312,8 +312,9 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     reduced as backward produces it, and gathered twice a step, before the unit's forward and again
     before its backward, the next unit's prefetched behind the current one's compute
     (:func:`prefetched_exposure`: a unit's gather hides only behind the compute just before it).
-    Each of those waits, with more processes than cores, also costs a wake-up (the calibration's
-    ``busy_handoff``), as a pipeline stage's do."""
+    Each unit also costs the calibration's ``shard_unit_seconds`` beyond its bytes (buffers allocated
+    and packed, the ranks meeting three times between compute), and each of its two waits, with more
+    processes than cores, a wake-up (``busy_handoff``), as a pipeline stage's do."""
     n, shard = c.devices, c.get("shard", "parameters")
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
@@ -341,6 +342,7 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         )
         crowded = cl.cores_per_node is not None and per_node > cl.cores_per_node
         exposed_gather += 2 * len(blocks) * cl.busy_handoff if crowded else 0.0
+        exposed_gather += len(blocks) * cl.shard_unit_seconds
         exposed_gather *= o.accumulation_steps
         gathers = 2 * sum(gathered) * o.accumulation_steps
     else:
