@@ -665,3 +665,12 @@ def test_predicted_activation_bytes_are_what_measure_activations_measures(worklo
     ):
         predicted = predict(candidate, profile, _cluster(), Options(global_batch=16)).memory.activations
         assert predicted == pytest.approx(measured, rel=1e-3), candidate.label
+
+
+def test_sharded_predicts_a_model_without_parameters_at_every_stage():
+    """Nothing to shard: no block, no collective time, and no crash on an empty block list."""
+    layers = tuple(replace(la, param_bytes=0.0) for la in _profile().layers)
+    bare = _profile(param_bytes=0.0, optimizer_bytes=0.0, layers=layers)
+    for shard in ("optimizer", "gradients", "parameters"):
+        p = predict(Candidate("sharded", 2, (("shard", shard),)), bare, _cluster(), Options(global_batch=100))
+        assert p.parts["communication"] == 0.0 and p.step_seconds > 0

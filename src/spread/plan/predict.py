@@ -323,7 +323,8 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     backward = micro_step * p.backward_fraction
     unit_layers = [i for i, layer in enumerate(p.layers) if layer.param_bytes > 0]
     if shard == "parameters":
-        blocks = [p.layers[i].param_bytes for i in unit_layers] or [p.param_bytes]
+        whole = [p.param_bytes] if p.param_bytes > 0 else []
+        blocks = [p.layers[i].param_bytes for i in unit_layers] or whole
     else:
         blocks = bucket_sizes(p.param_bytes, o.bucket_bytes)
     link = cl.shard_link()
@@ -336,7 +337,10 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     exposed_reduce = exposed_communication(backward, reductions, cl.overlap, ready)
     gathered = [shard_collective_time(b, n, link) * sliced for b in blocks]
     if shard == "parameters":
-        forward_windows, backward_windows = _unit_windows(p, unit_layers, local, per_node, cl, micro_step)
+        micro_batch = local / o.accumulation_steps
+        forward_windows, backward_windows = _unit_windows(
+            p, unit_layers, micro_batch, per_node, cl, micro_step
+        )
         exposed_gather = prefetched_exposure(gathered, forward_windows, cl.overlap) + prefetched_exposure(
             gathered[::-1], backward_windows, cl.overlap
         )
@@ -357,7 +361,7 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         math.ceil(local / o.accumulation_steps),
         n=n,
         shard=shard,
-        largest_unit_bytes=max(blocks),
+        largest_unit_bytes=max(blocks, default=0.0),
     )
     note = (
         f"{sum(reductions) * 1e3:.1f} ms of gradient reduction and {gathers * 1e3:.1f} ms of parameter "
@@ -373,17 +377,17 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
 
 
 def _unit_windows(
-    p: ModelProfile, unit_layers: list[int], local: float, per_node: int, cl: ClusterModel, micro_step: float
+    p: ModelProfile, unit_layers: list[int], batch: float, per_node: int, cl: ClusterModel, micro_step: float
 ) -> tuple[list[float], list[float]]:
     """Seconds of compute each prefetched unit gather can hide behind, in forward and in backward.
 
     In forward, unit ``i``'s gather starts as unit ``i - 1`` starts and hides behind the layers from
     it up to unit ``i``; in backward (units in reverse), unit ``i``'s starts as backward reaches unit
     ``i + 1``'s output, behind the layers after unit ``i`` up to unit ``i + 1``. Layers' shares of
-    ``micro_step`` are their measured costs at the rank's batch and threads."""
+    ``micro_step`` are their measured costs at the rank's micro-batch (``batch``) and threads."""
     if len(unit_layers) < 2:
         return [], []
-    costs = p.layer_costs(local, _core_share(cl, per_node, None)[0])
+    costs = p.layer_costs(batch, _core_share(cl, per_node, None)[0])
     total = sum(costs) or 1.0
     forward = micro_step * (1.0 - p.backward_fraction) / total
     backward = micro_step * p.backward_fraction / total
