@@ -219,7 +219,9 @@ def _grid(profile: ModelProfile, cluster: ClusterModel, global_batch: int, strat
         yield prediction
 
 
-def _measure_pass(saved: dict, number: int, names: list[str], counts: list[int], args) -> None:
+def _measure_pass(
+    saved: dict, number: int, names: list[str], counts: list[int], calibration: CalibrationProfile, args
+) -> None:
     """Profile each family afresh and measure its configurations: one pass over the suite.
 
     The first pass sets the grid (``spread plan``'s candidates on the first profile); later passes
@@ -229,7 +231,6 @@ def _measure_pass(saved: dict, number: int, names: list[str], counts: list[int],
     a profile taken once, 40 minutes before a row's last measurement, shifts a whole family's error).
     A row keeps every pass (``passes``) and reports the median prediction and the median measurement.
     """
-    calibration = CalibrationProfile.from_json(saved["calibration"], source=args.profile)
     saved["pass_profiles"].append({})
     shift = number % len(names)
     for name in names[shift:] + names[:shift]:
@@ -652,7 +653,7 @@ def main() -> None:
     counts = sorted({int(n) for n in args.procs.split(",")})
     saved: dict = {"rows": [], "profiles": {}, "calibration": calibration.to_json(), "pass_profiles": []}
     for number in range(args.passes):
-        _measure_pass(saved, number, names, counts, args)
+        _measure_pass(saved, number, names, counts, calibration, args)
     print(f"machine: {calibration.machine}; calibration {args.profile} measured {calibration.measured_at}")
     rows = saved["rows"]
     _report(rows, _cells(rows, {i: r["predicted_rate"] for i, r in enumerate(rows)}))

@@ -122,22 +122,20 @@ class CalibrationProfile:
             raise CalibrationError(
                 f"{source}: field 'collective_in_step' must be a number >= 1, got {in_step!r}"
             )
-        sync_wait = data.get("sync_wait", 0.0)  # older profiles: not measured
-        seconds = isinstance(sync_wait, int | float) and not isinstance(sync_wait, bool)
-        if not seconds or not 0.0 <= sync_wait < 1.0:
-            raise CalibrationError(
-                f"{source}: field 'sync_wait' must be a number of seconds in [0, 1), got {sync_wait!r}"
-            )
-        handoff = data.get("busy_handoff", 0.0)  # older profiles: not measured
-        if isinstance(handoff, bool) or not isinstance(handoff, int | float) or not 0.0 <= handoff < 1.0:
-            raise CalibrationError(
-                f"{source}: field 'busy_handoff' must be a number of seconds in [0, 1), got {handoff!r}"
-            )
-        unit = data.get("shard_unit_seconds", 0.0)  # older profiles: not measured
-        if isinstance(unit, bool) or not isinstance(unit, int | float) or not 0.0 <= unit < 1.0:
-            raise CalibrationError(
-                f"{source}: field 'shard_unit_seconds' must be a number of seconds in [0, 1), got {unit!r}"
-            )
+
+        def seconds(name: str) -> float:  # a measured wait in [0, 1) s; older profiles: 0
+            value = data.get(name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+                raise CalibrationError(
+                    f"{source}: field {name!r} must be a number of seconds in [0, 1), got {value!r}"
+                )
+            return float(value)
+
+        sync_wait, handoff, unit = (
+            seconds("sync_wait"),
+            seconds("busy_handoff"),
+            seconds("shard_unit_seconds"),
+        )
         samples = data.get("samples", {})
         if not isinstance(samples, dict):
             raise CalibrationError(f"{source}: field 'samples' must be an object")
@@ -150,9 +148,9 @@ class CalibrationProfile:
             links=links,
             overlap=overlap,
             collective_in_step=float(in_step),
-            sync_wait=float(sync_wait),
-            busy_handoff=float(handoff),
-            shard_unit_seconds=float(unit),
+            sync_wait=sync_wait,
+            busy_handoff=handoff,
+            shard_unit_seconds=unit,
             device_type=str(data.get("device_type", "cpu")),
             measured_at=str(data.get("measured_at", "")),
             samples=samples,
