@@ -25,6 +25,11 @@ printed beside it.
 the recommended one) again in interleaved rounds, and ranks by those rounds alone (a fairer ranking on
 a machine whose speed drifts between configurations measured minutes apart).
 
+Every process runs with the allocator settings spread gives the processes it starts
+(spread/cluster/allocator.py): the multi-process rows get them from ``spread run``, the profiles from
+``tune_this_process`` as in ``spread plan``, and the one-process rows (plain ``python``) through
+their environment, as ``spread run -n 1`` would give them.
+
 Timing runs one at a time; nothing else should load the machine meanwhile.
 """
 
@@ -47,6 +52,7 @@ sys.path.insert(0, str(HERE))
 import model_families as workloads  # noqa: E402
 
 from spread.cli.plan import PROFILE_SECONDS  # noqa: E402
+from spread.cluster.allocator import tune_child_environment, tune_this_process  # noqa: E402
 from spread.plan.advisor import make_plan  # noqa: E402
 from spread.plan.calibration import CalibrationProfile, calibrate, load_profile  # noqa: E402
 from spread.plan.cluster import ClusterModel  # noqa: E402
@@ -108,9 +114,11 @@ def _measure(workload: str, candidate, steps: int, timeout: float) -> float | No
             cmd = [sys.executable, *worker, "--threads", str(os.cpu_count() or 1)]
         else:
             cmd = [sys.executable, *worker, "--replicas", str(n)]
+        environ = dict(os.environ)
+        tune_child_environment(environ)  # `spread run` sets it for its ranks; the one-process rows here
         try:
             proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+                cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=environ
             )
         except subprocess.TimeoutExpired:
             print(f"  timed out: {candidate.label}", file=sys.stderr)
@@ -631,6 +639,7 @@ def main() -> None:
     )
     parser.add_argument("--profile-only", default=None, help=argparse.SUPPRESS)  # one family, to --json
     args = parser.parse_args()
+    tune_this_process()  # as `spread plan` does before it profiles
     if args.profile_only:
         counts = sorted({int(n) for n in args.procs.split(",")})
         Path(args.json).write_text(

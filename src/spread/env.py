@@ -10,4 +10,5 @@ STDOUT_TTY = "SPREAD_STDOUT_TTY"  # "1": `spread run` relays this rank's stdout 
 EXIT_TIMEOUT = "SPREAD_EXIT_TIMEOUT"  # seconds the release at interpreter exit may take (default 10)
 PS_TRANSPORT = "SPREAD_PS_TRANSPORT"  # the parameter servers' RPC layer: "zmq" (default) or "grpc"
 DEBUG_COLLECTIVES = "SPREAD_DEBUG_COLLECTIVES"  # "1": log every collective
+TUNE_MALLOC = "SPREAD_TUNE_MALLOC"  # "0": leave glibc's allocator as it is (cluster/allocator.py)
 CHECKPOINT_CRASH_AT = "SPREAD_CHECKPOINT_CRASH_AT"  # chaos tests: die at a named point of a save

@@ -128,7 +128,8 @@ def test_missing_script_starts_nothing(tmp_path: Path) -> None:
 def test_each_rank_gets_its_environment_and_the_token_stays_secret(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "SPREAD_TUNE_MALLOC"):
+        monkeypatch.delenv(name, raising=False)
     for name, value in OUTER_LAUNCHER_ENV.items():  # as if nested in another launcher: must not leak
         monkeypatch.setenv(name, value)
     script = _script(
@@ -160,6 +161,7 @@ def test_each_rank_gets_its_environment_and_the_token_stays_secret(
         assert env["SPREAD_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert env["SPREAD_LAUNCHER"] == "1" and env["PYTHONUNBUFFERED"] == "1"
         assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+        assert (env["MALLOC_MMAP_THRESHOLD_"], env["MALLOC_TRIM_THRESHOLD_"]) == ("33554432", "67108864")
         # torchrun's whole set, with torchrun's values
         assert set(TORCHRUN_ENV) <= env.keys(), set(TORCHRUN_ENV) - env.keys()
         assert env["GROUP_WORLD_SIZE"] == "1" and env["ROLE_NAME"] == "default"

@@ -156,6 +156,7 @@ def _cluster(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from spread.cluster.allocator import tune_this_process
     from spread.plan.advisor import PlanError, make_plan
     from spread.plan.calibration import CalibrationError
     from spread.plan.capture import CaptureError, capture_factory, capture_script
@@ -176,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    tune_this_process()  # the profile runs with the allocator `spread run` gives the job's ranks
     try:
         cluster, cores = _cluster(args)
         if args.compute_scale != 1.0:

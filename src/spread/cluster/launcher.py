@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from spread import env as spread_env
+from spread.cluster import allocator
 from spread.cluster._output import OutputRelay
 from spread.cluster._process import (
     bind_listener,
@@ -440,6 +441,7 @@ class _Attempt:
             env.pop(spread_env.STDOUT_TTY, None)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // c.nproc))
+        allocator.tune_child_environment(env)
         if self.tf_config is not None:  # a parameter-server job: roles come from TF_CONFIG alone
             for name in (
                 "RANK",
