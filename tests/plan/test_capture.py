@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,4 +89,14 @@ def test_a_script_whose_strategy_needs_several_processes_is_told_to_give_a_facto
     )
     with pytest.raises(CaptureError, match=r"as one process, but its strategy needs 2 processes.*--model"):
         capture_script(str(script))
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_torchrun_script_that_sets_up_torch_distributed_itself_is_told_to_give_a_factory(tmp_path):
+    """The DDP tutorial's script calls init_process_group("gloo") from the environment, which one
+    process without RANK cannot do; the error keeps torch's reason and says what to do instead."""
+    script = Path(__file__).parents[1] / "cluster" / "scripts" / "ddp_tutorial.py"
+    snapshot = str(tmp_path / "snapshot.pt")
+    with pytest.raises(CaptureError, match=r"raised ValueError .*RANK(.|\n)*--model module:function"):
+        capture_script(str(script), ["1", "1", "--snapshot", snapshot])
     assert not torch.distributed.is_initialized()

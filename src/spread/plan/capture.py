@@ -106,6 +106,17 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
             f"give the model instead: `spread plan --model module:function` returning "
             f"(model, loss_fn, inputs, targets[, optimizer])"
         ) from None
+    except CaptureError:
+        raise
+    except Exception as exc:  # the script's own failure before Trainer.fit: say why it may have failed here
+        raise CaptureError(
+            f"{path} raised {type(exc).__name__} before calling spread.Trainer.fit: {exc}\n"
+            f"spread plan runs the script as one process with no cluster in its environment (no RANK, "
+            f"WORLD_SIZE or TF_CONFIG) and stops it at Trainer.fit; a script that sets up "
+            f"torch.distributed itself or trains in its own loop cannot be planned from the script: "
+            f"give the model instead, `spread plan --model module:function` returning "
+            f"(model, loss_fn, inputs, targets[, optimizer])"
+        ) from exc
     finally:
         Trainer.fit = original_fit  # type: ignore[method-assign]
         sys.argv = argv
