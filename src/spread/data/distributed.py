@@ -154,8 +154,9 @@ def _as_dataset(data: Any) -> tuple[Any, Callable[[Any], Any] | None, int]:
 class DistributedDataset:
     """Iterable over the local part of each global batch; one pass is one epoch.
 
-    Batches are prepared ``prefetch`` steps ahead on a background thread; ``wait_clock`` records
-    how long the loop waited for them. Each ``iter()`` starts the next epoch (reshuffled with the
+    Batches are prepared ``prefetch`` steps ahead on a background thread, except tensors already in
+    memory and trained on the CPU (see :meth:`_prefetch_depth`); ``wait_clock`` records how long the
+    loop waited for them. Each ``iter()`` starts the next epoch (reshuffled with the
     shared seed) unless :meth:`set_epoch` chose it. Yields a batch for a process with one replica,
     and a structure of :class:`~spread.values.PerReplica` leaves for several. ``state_dict()``
     records the epoch and the batches already consumed, so a restarted run resumes at the exact
@@ -285,12 +286,16 @@ class DistributedDataset:
         steps: Iterator[tuple[Any, list[int], int]]
         if source is None:  # dispatched: the broadcast runs on this (the loop's) thread
             first = self.layout.process_index == 0
-            reader = prefetch(self._global_stream(start), self.prefetch, self.wait_clock) if first else None
+            reader = (
+                prefetch(self._global_stream(start), self._prefetch_depth(), self.wait_clock)
+                if first
+                else None
+            )
             assert self.channel is not None
             steps = dispatched(reader, self.channel.broadcast_from_first_process, self._local_part)
         else:
             ready = ((self._per_replica(batch, sizes), sizes, total) for batch, sizes, total in source)
-            steps = prefetch(ready, self.prefetch, self.wait_clock)
+            steps = prefetch(ready, self._prefetch_depth(), self.wait_clock)
         if self.channel is not None and self.shard_policy is not ShardPolicy.DATA:
             steps = self._joined(steps)
         try:
@@ -304,6 +309,20 @@ class DistributedDataset:
                 steps.close()
             self._epoch = epoch + 1
             self._batch = 0
+
+    def _prefetch_depth(self) -> int:
+        """How many batches the reading thread keeps ready; 0: no thread.
+
+        Tensors held in memory for CPU replicas are gathered in a fraction of a millisecond, and on a
+        second thread that gather runs its own OpenMP team beside the training step's, whose spinning
+        threads take the step's cores: a one-device ResNet step at 2 threads on 2 cores, 64 ms with
+        the thread, 47 without (docs/results/2026-11-27-planner-allocator.md). Accelerators keep the
+        thread: it overlaps the copy to the device.
+        """
+        in_memory = isinstance(self.dataset, _TensorBatches) and self.num_workers == 0
+        if in_memory and all(device.type == "cpu" for device in self.devices):
+            return 0
+        return self.prefetch
 
     def _joined(self, steps: Iterator[tuple[Any, list[int], int]]) -> Iterator[tuple[Any, list[int], int]]:
         """This process's steps, agreed with the others': the global count of each step is summed,
