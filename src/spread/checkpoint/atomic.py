@@ -1,6 +1,9 @@
 """Durable, all-or-nothing writes: a checkpoint is either complete under its final name or absent.
 
-Order of operations (each step survives a crash of the one after it):
+The project's one atomic writer: :func:`atomic_save` for a single file (``ModelCheckpoint``), and the
+steps below for a checkpoint directory (:class:`~spread.checkpoint.CheckpointManager`).
+
+Order of operations for a directory (each step survives a crash of the one after it):
 write files into a temporary directory -> fsync each file -> write ``manifest.json`` with each
 file's size and SHA-256 -> fsync it and the directory -> rename the directory to its final name ->
 fsync the parent -> replace the ``latest`` pointer (temp file + ``os.replace``) -> fsync the parent.
@@ -8,11 +11,17 @@ fsync the parent -> replace the ``latest`` pointer (temp file + ``os.replace``) 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
+
+import torch
 
 from spread import env
 
@@ -33,6 +42,47 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_directory_if_possible(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename in it survives a power loss; a no-op where the platform or
+    filesystem cannot open or fsync a directory (the rename is still atomic there)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str], write: Callable[[Any, IO[bytes]], None] | None = None) -> None:
+    """Write ``obj`` to ``path`` so that ``path`` holds either its previous content or the whole new
+    file, never a torn one: written to a hidden temporary file in the same directory, flushed and
+    fsync'ed, renamed over ``path`` (``os.replace``), the directory fsync'ed.
+
+    ``write(obj, file)`` serialises (default ``torch.save``). On failure the temporary file is
+    removed and the exception propagates.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # Hidden and suffixed so globs like "*.pt" never pick up a temporary file.
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            (write or torch.save)(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_directory_if_possible(directory)
 
 
 def sha256_file(path: Path) -> str:
