@@ -89,11 +89,15 @@ class CheckpointMismatchError(SpreadError, ValueError):
 
     def __init__(self, path: str, what: str, problems: list[str]) -> None:
         self.path = path
+        self.what = what
         self.problems = list(problems)
         listing = "; ".join(problems[:20]) + (
             f"; ... {len(problems) - 20} more" if len(problems) > 20 else ""
         )
-        super().__init__(f"checkpoint {path} does not match the {what} it is loaded into: {listing}")
+        super().__init__(
+            f"checkpoint {path} does not match the {what} it is loaded into: {listing} "
+            "(to start afresh instead, use another directory or remove that checkpoint)"
+        )
 
 
 class WireFormatError(SpreadError, ValueError):

@@ -212,7 +212,14 @@ def test_sharded_state_round_trip_under_two_ranks(tmp_path):
         ]
     newest = tmp_path / "ckpt-0000000003"
     files = sorted(p.name for p in newest.iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "state.pt"]
+    assert files == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.json",
+        "manifest.sha256",
+        "state.pt",
+    ]
     import json
 
     manifest = json.loads((newest / "manifest.json").read_text())

@@ -95,7 +95,7 @@ def _custom_loop(
             steps += 1
             if steps == STEPS:
                 break
-    return {k: v.detach().cpu().clone() for k, v in strategy.model_state_dict(model).items()}
+    return {k: v.detach().cpu().clone() for k, v in strategy.full_state_dict(model).items()}
 
 
 def _max_relative_difference(a: dict, b: dict) -> float:
@@ -372,7 +372,7 @@ def _sharded_fit(shard: str, directory: str, *, crash: bool = False) -> dict:
         trainer = spread.Trainer(model, optimizer, loss_fn, strategy=strategy, callbacks=callbacks)
         x, y = _data()
         trainer.fit((x[:96], y[:96]), epochs=2, global_batch_size=16, seed=7, verbose=0)
-        weights = {k: v.detach().cpu().clone() for k, v in strategy.model_state_dict(model).items()}
+        weights = {k: v.detach().cpu().clone() for k, v in strategy.full_state_dict(model).items()}
         return {"device": device, "restored": backup.restored_step, "weights": weights}
     finally:
         strategy.close()

@@ -148,7 +148,7 @@ def test_the_model_leaves_fit_and_checkpoints_with_the_servers_tables(job):
     optimizer.step()  # rows 0-9 changed on the servers; this copy read them before the update
     on_servers = strategy.client.pull(strategy.placement, [name])[name]
     assert not torch.equal(table.weight.detach(), on_servers)
-    assert torch.equal(strategy.model_state_dict(model)["0.weight"], on_servers)
+    assert torch.equal(strategy.full_state_dict(model)["0.weight"], on_servers)
     table.weight.data.zero_()
     strategy.refresh_weights()
     assert torch.equal(table.weight.detach(), on_servers)

@@ -80,5 +80,5 @@ def fit_with_trainer(strategy, *, global_batch: int, accumulation_steps: int = 1
         model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, accumulation_steps=accumulation_steps
     )
     trainer.fit(make_data(), epochs=epochs, global_batch_size=global_batch, verbose=0)
-    state = strategy.model_state_dict(model)  # collective under a pipeline
+    state = strategy.full_state_dict(model)  # collective under a pipeline
     return {k: v.detach().clone() for k, v in state.items()}

@@ -250,7 +250,7 @@ def _pipeline_worker(schedule: str, replicas: int) -> dict:
             layer.compile()  # each stage runs its own layers compiled
         trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
         history = trainer.fit(make_data(), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0)
-        weights = strategy.model_state_dict(model)  # collective: the one-device layout
+        weights = strategy.full_state_dict(model)  # collective: the one-device layout
         return {"weights": {k: v.clone() for k, v in weights.items()}, "loss": history.history["loss"]}
     finally:
         strategy.close()

@@ -60,8 +60,8 @@ def custom_loop(strategy, optimizer_name: str, *, init_seed: int = 0, accumulate
             if steps == STEPS:
                 break
     return {
-        "weights": strategy.model_state_dict(model),
-        "optimizer": strategy.optimizer_state_dict(optimizer),
+        "weights": strategy.full_state_dict(model),
+        "optimizer": strategy.full_state_dict(optimizer),
     }
 
 
@@ -90,7 +90,7 @@ def fit(strategy, feature: str, *, init_seed: int = 0) -> dict:
     history = trainer.fit(
         make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0, validation_data=validation
     )
-    return {"weights": strategy.model_state_dict(model), "history": history.history}
+    return {"weights": strategy.full_state_dict(model), "history": history.history}
 
 
 FEATURES = ("clip_norm", "clip_value_accumulate", "restore_best_weights")
@@ -239,7 +239,7 @@ def _fit_with_backup(strategy, backup_dir: str, *, init_seed: int, crash: bool =
     callbacks = [BackupAndRestore(backup_dir, save_freq=3), *([_Crash()] if crash else [])]
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=callbacks)
     trainer.fit(make_data(), epochs=2, global_batch_size=GLOBAL_BATCH, seed=7, verbose=0)
-    return strategy.model_state_dict(model)
+    return strategy.full_state_dict(model)
 
 
 def _backup_job(root: str):
@@ -308,7 +308,7 @@ def _batchnorm_loop(strategy, init_seed: int) -> dict:
             done += 1
             if done == bn_cases.STEPS:
                 break
-    return strategy.model_state_dict(model)
+    return strategy.full_state_dict(model)
 
 
 def _batchnorm_every_stage() -> dict:
@@ -384,7 +384,7 @@ def _decoder_loop(strategy, init_seed: int) -> dict:
             optimizer.zero_grad()
             strategy.run(step, args=(x, y))
             optimizer.step()
-    return strategy.model_state_dict(model)
+    return strategy.full_state_dict(model)
 
 
 def _decoder_every_unit_choice() -> dict:

@@ -17,7 +17,8 @@ from torch import nn
 
 import spread
 from spread.errors import CheckpointMismatchError
-from spread.strategies import BackupState
+from spread.strategies.checkpointing import Saved
+from spread.strategies.sharded_state import ShardedLayout
 from spread.testing import run_ranks
 from spread.train.callbacks import BackupAndRestore, Callback
 
@@ -47,7 +48,7 @@ def _fit(strategy, backup: BackupAndRestore, *, width: int = 1024, crash: bool =
     callbacks = [backup, *([_Crash()] if crash else [])]
     trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=callbacks)
     trainer.fit(_data(), epochs=2, global_batch_size=BATCH, seed=7, verbose=0)
-    return strategy.model_state_dict(model)
+    return strategy.full_state_dict(model)
 
 
 def _save_without_gathering(strategy, root: str) -> dict:
@@ -65,7 +66,7 @@ def _save_without_gathering(strategy, root: str) -> dict:
 
         setattr(owner, name, watched)
 
-    for name in ("model_state_dict", "optimizer_state_dict", "unsharded"):
+    for name in ("full_state_dict", "unsharded"):
         watch(strategy, name)
     for name in ("all_gather_into", "all_gather_into_async"):
         watch(strategy.collectives, name)
@@ -144,23 +145,31 @@ def test_a_corrupt_shard_falls_back_to_the_previous_backup_and_ends_the_same(tmp
 
 
 def _one_device_backup_then_resume(root: str) -> dict:
-    """A backup of the gathered one-device state (what spread wrote before per-rank backups) still
-    resumes, into the shards, and ends as the uninterrupted run."""
+    """A backup of the gathered one-device state (what a strategy holding whole copies writes)
+    resumes into the shards and ends as the uninterrupted run."""
     strategy = spread.ShardedStrategy(shard="parameters")
     try:
         reference = _fit(strategy, BackupAndRestore(f"{root}/ref", save_freq=3))
-        strategy.backup_state = lambda model, optimizer: BackupState(  # type: ignore[method-assign]
-            strategy.model_state_dict(model), strategy.optimizer_state_dict(optimizer)
-        )
+        strategy._state_layout = lambda: _GatheredLayout(strategy)  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="simulated crash"):
             _fit(strategy, BackupAndRestore(f"{root}/run", save_freq=3), crash=True)
         assert not any(Path(root, "run", "ckpt-0000000009").glob("*.distcp"))
-        del strategy.backup_state
+        del strategy._state_layout
         backup = BackupAndRestore(f"{root}/run", save_freq=3)
         resumed = _fit(strategy, backup)
         return {"restored": backup.restored_step, "reference": reference, "resumed": resumed}
     finally:
         strategy.close()
+
+
+class _GatheredLayout(ShardedLayout):
+    """Writes the one-device state, gathered (as MultiWorkerMirrored's layout does)."""
+
+    def module_state(self, model):
+        return Saved(self.full_state_dict(model))
+
+    def optimizer_state(self, optimizer):
+        return Saved(self.full_state_dict(optimizer))
 
 
 @pytest.mark.processes

@@ -20,6 +20,7 @@ from torch import nn
 
 import spread
 from spread.errors import CheckpointMismatchError
+from spread.strategies import StateLayout
 from spread.testing import reap_survivors
 from spread.train.callbacks import BackupAndRestore, Callback
 
@@ -97,7 +98,7 @@ def _fit_scheduled(backup_dir, schedule: str, extra=(), init_seed=0) -> tuple[di
     )
     trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
     history = trainer.fit((x, y), epochs=EPOCHS, global_batch_size=BATCH, verbose=0)
-    state = trainer.training_state()
+    state = trainer.state_dict()
     return {k: v.clone() for k, v in model.state_dict().items()}, history.history, state
 
 
@@ -252,29 +253,45 @@ def test_c6_a_backup_restored_into_another_model_lists_every_mismatched_key(tmp_
     with pytest.raises(CheckpointMismatchError) as info:
         _restore_into(tmp_path, model, torch.optim.Adam(model.parameters(), lr=0.01), "one_device")
     problems = info.value.problems
-    assert "'0.weight': saved (16, 8) float32, expected (32, 8) float32" in problems
-    assert "'3.weight': saved (3, 16) float32, expected (3, 32) float32" in problems
-    assert any("optimizer state 0.exp_avg" in p for p in problems)
-    assert "ckpt-0000000004" in str(info.value) and "model, optimizer and strategy" in str(info.value)
+    assert "model: '0.weight': saved (16, 8) float32, expected (32, 8) float32" in problems
+    assert "model: '3.weight': saved (3, 16) float32, expected (3, 32) float32" in problems
+    assert any("optimizer: optimizer state 0.exp_avg" in p for p in problems)
+    assert "ckpt-0000000004" in str(info.value) and "start afresh" in str(info.value)
     for k, v in model.state_dict().items():  # refused before anything was overwritten
         assert torch.equal(v, before[k]), k
 
 
-def test_c6_a_backup_restored_under_another_strategy_or_batch_lists_every_field(tmp_path):
+def test_c6_a_backup_restored_with_another_batch_or_optimizer_lists_every_field(tmp_path):
     _backup_once(tmp_path)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    strategy = spread.MirroredStrategy(num_replicas=2)
+    strategy = spread.MirroredStrategy(num_replicas=2)  # another data-parallel strategy: allowed
     with pytest.raises(CheckpointMismatchError) as info:
         _restore_into(tmp_path, model, optimizer, strategy, batch=2 * BATCH)
     assert info.value.problems == [
-        "strategy: saved 'OneDeviceStrategy', now 'MirroredStrategy'",
-        "num_replicas_in_sync: saved 1, now 2",
         f"global_batch_size: saved {BATCH}, now {2 * BATCH}",
         "optimizer: saved 'Adam', now 'SGD'",
     ]
+    assert "ckpt-0000000004" in str(info.value)
+    for k, v in model.state_dict().items():  # refused before any weight was overwritten
+        assert torch.equal(v, before[k]), k
     print("FIGURES C6", info.value)
+
+
+def test_a_backup_restored_under_another_kind_of_strategy_is_refused_by_name(tmp_path):
+    _backup_once(tmp_path)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    strategy = spread.OneDeviceStrategy("cpu")
+    strategy._state_layout = lambda: _OtherFamily(strategy)  # as a pipeline's or servers' layout
+    with pytest.raises(CheckpointMismatchError, match="written by OneDeviceStrategy"):
+        _restore_into(tmp_path, model, optimizer, strategy)
+
+
+class _OtherFamily(StateLayout):
+    family = "pipeline"
 
 
 CHAOS_SCRIPT = r"""

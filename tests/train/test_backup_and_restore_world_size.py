@@ -17,6 +17,8 @@ from torch import nn
 
 import spread
 from spread.errors import CheckpointMismatchError
+from spread.strategies import StateLayout
+from spread.strategies.parameter_server import ServerLayout
 from spread.testing.processes import spread_run
 from spread.train.callbacks import BackupAndRestore, Callback
 
@@ -82,23 +84,30 @@ def test_a_two_replica_backup_resumes_at_another_count_and_ends_the_same(tmp_pat
 
 
 def test_a_strategy_that_refuses_another_count_says_why_and_overwrites_nothing(tmp_path):
+    class PerReplicaLayout(StateLayout):
+        def refusal(self, writer):
+            saved = writer["num_replicas_in_sync"]
+            if saved != self.strategy.num_replicas_in_sync:
+                return f"this strategy's backups are per replica ({saved} saved)"
+            return None
+
     class PerReplicaState(spread.MirroredStrategy):
-        def replica_count_change_refusal(self, saved):
-            return f"this strategy's backups are per replica ({saved} saved)"
+        def _state_layout(self):
+            return PerReplicaLayout(self)
 
     with pytest.raises(KeyboardInterrupt):
         _fit(PerReplicaState(num_replicas=2, intra_op_threads=1), tmp_path / "run", crash_at=4)
     with pytest.raises(CheckpointMismatchError) as info:
         _fit(PerReplicaState(num_replicas=3, intra_op_threads=1), tmp_path / "run")
-    assert info.value.problems == [
-        "num_replicas_in_sync: saved 2, now 3 (this strategy's backups are per replica (2 saved))"
-    ]
+    assert info.value.problems == ["this strategy's backups are per replica (2 saved)"]
     assert (tmp_path / "run" / "ckpt-0000000003").is_dir()  # the backup is still there
 
 
 def test_parameter_servers_refuse_another_worker_count_naming_what_differs():
-    three_workers = SimpleNamespace(num_replicas_in_sync=3)  # all the method reads
-    text = spread.ParameterServerStrategy.replica_count_change_refusal(three_workers, 2)
+    three_workers = SimpleNamespace(num_replicas_in_sync=3)  # all the layout reads
+    writer = {"strategy": "ParameterServerStrategy", "family": "parameter_server", "num_replicas_in_sync": 2}
+    text = ServerLayout(three_workers).refusal(writer)  # type: ignore[arg-type]
+    assert text is not None
     assert "2 worker tasks' resume point" in text and "with 3 workers" in text
 
 
@@ -133,7 +142,7 @@ backup = BackupAndRestore(backup_dir, save_freq=3)
 trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy,
                          callbacks=[backup, Kill()])
 history = trainer.fit((x, y), epochs=3, global_batch_size=16, verbose=0)
-state = strategy.model_state_dict(model)  # collective under a pipeline
+state = strategy.full_state_dict(model)  # collective under a pipeline
 if strategy.is_chief:
     print("RESULT " + json.dumps({
         "restored": backup.restored_step, "from": backup.resumed_from_replicas,

@@ -70,7 +70,7 @@ def test_gpt2_on_dict_batches_equals_one_device(strategy_class):
 def _weights_after_fit(strategy: spread.Strategy) -> dict[str, torch.Tensor]:
     try:
         _, model = _train(strategy, TokenBatches(10), _gpt2)
-        return {k: v.detach().clone() for k, v in strategy.model_state_dict(model).items()}
+        return {k: v.detach().clone() for k, v in strategy.full_state_dict(model).items()}
     finally:
         strategy.close()
 

@@ -5,8 +5,18 @@ steps below for a checkpoint directory (:class:`~spread.checkpoint.CheckpointMan
 
 Order of operations for a directory (each step survives a crash of the one after it):
 write files into a temporary directory -> fsync each file -> write ``manifest.json`` with each
-file's size and SHA-256 -> fsync it and the directory -> rename the directory to its final name ->
-fsync the parent -> replace the ``latest`` pointer (temp file + ``os.replace``) -> fsync the parent.
+file's size and SHA-256 -> fsync it -> write ``manifest.sha256``, the SHA-256 of the manifest's own
+bytes -> fsync it and the directory -> rename the directory to its final name -> fsync the parent ->
+replace the ``latest`` pointer (temp file + ``os.replace``) -> fsync the parent.
+
+:func:`verify` trusts nothing it reads: a manifest that does not match its ``manifest.sha256``, or
+whose structure is not exactly what :func:`write_manifest` writes, or a file in the directory that
+the manifest does not list, is corruption (ValueError), never a KeyError nor a silent skip. A
+checkpoint written before ``manifest.sha256`` existed has none; it is still accepted once its
+structure checks out, because refusing it would leave an upgraded job nothing to resume from. Every
+file is still checked against its size and checksum there, so what goes unnoticed without the
+sidecar is only a change that keeps the manifest well-formed and consistent, such as a digit of
+``step``.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 from collections.abc import Callable
@@ -26,6 +37,8 @@ import torch
 from spread import env
 
 MANIFEST = "manifest.json"
+MANIFEST_CHECKSUM = "manifest.sha256"  # SHA-256 of the manifest's bytes: the manifest is verified too
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 CRASH_ENV = env.CHECKPOINT_CRASH_AT  # chaos tests: kill this process at a named point
 CRASH_POINTS = ("after_shard_write", "after_manifest", "after_rename", "after_pointer")
 
@@ -59,7 +72,9 @@ def fsync_directory_if_possible(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str], write: Callable[[Any, IO[bytes]], None] | None = None) -> None:
+def atomic_save(
+    obj: Any, path: str | os.PathLike[str], write: Callable[[Any, IO[bytes]], None] | None = None
+) -> None:
     """Write ``obj`` to ``path`` so that ``path`` holds either its previous content or the whole new
     file, never a torn one: written to a hidden temporary file in the same directory, flushed and
     fsync'ed, renamed over ``path`` (``os.replace``), the directory fsync'ed.
@@ -94,40 +109,126 @@ def sha256_file(path: Path) -> str:
 
 
 def write_manifest(directory: Path, metadata: dict) -> None:
+    """Write ``manifest.json`` (``metadata`` and every file's size and SHA-256) and its checksum
+    ``manifest.sha256``, each fsync'ed, then fsync ``directory``."""
     files = {
         p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name not in (MANIFEST, MANIFEST_CHECKSUM)
     }
     for name in files:
         fsync_path(directory / name)
+    content = {**metadata, "files": files}
+    _check_structure(content, directory / MANIFEST)  # never write what verify would refuse
+    data = json.dumps(content, indent=1, sort_keys=True).encode()
     manifest = directory / MANIFEST
-    manifest.write_text(json.dumps({**metadata, "files": files}, indent=1, sort_keys=True))
+    manifest.write_bytes(data)
     fsync_path(manifest)
+    checksum = directory / MANIFEST_CHECKSUM
+    checksum.write_bytes(_checksum_line(data))
+    fsync_path(checksum)
     fsync_path(directory)
 
 
 def verify(directory: Path) -> dict:
-    """Return the manifest if every file is present with its recorded size and checksum.
+    """Return the manifest if it matches its checksum, is well-formed, lists every file in
+    ``directory``, and every file has its recorded size and checksum.
 
-    Raises ValueError naming the first problem (missing manifest, missing file, size or checksum).
+    Raises ValueError naming the file and the first problem: a damaged manifest is corruption like
+    a damaged file, so the caller falls back to an older checkpoint instead of crashing or loading
+    unverified data.
     """
     manifest_path = directory / MANIFEST
     try:
-        manifest = json.loads(manifest_path.read_text())
+        data = manifest_path.read_bytes()
     except FileNotFoundError:
         raise ValueError(f"{manifest_path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    _check_manifest_checksum(directory, data)
+    try:
+        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise ValueError(f"{manifest_path} is not valid JSON ({exc})") from None
-    for name, entry in manifest.get("files", {}).items():
+    files = _check_structure(manifest, manifest_path)
+    present = {
+        p.name for p in directory.iterdir() if p.is_file() and p.name not in (MANIFEST, MANIFEST_CHECKSUM)
+    }
+    for name in files:
+        if name not in present:  # by name: nothing is looked up outside the directory
+            raise ValueError(f"{directory / name} is missing")
+    unlisted = sorted(present - files.keys())
+    if unlisted:
+        raise ValueError(
+            f"{directory / unlisted[0]} is not listed in {manifest_path} (the manifest lost an entry)"
+        )
+    for name, entry in files.items():
         path = directory / name
-        if not path.is_file():
-            raise ValueError(f"{path} is missing")
-        if path.stat().st_size != entry["size"]:
-            raise ValueError(f"{path} has {path.stat().st_size} bytes, the manifest says {entry['size']}")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise ValueError(f"{path} has {size} bytes, the manifest says {entry['size']}")
         if sha256_file(path) != entry["sha256"]:
             raise ValueError(f"{path} does not match its checksum")
     return manifest
+
+
+def _check_manifest_checksum(directory: Path, data: bytes) -> None:
+    """Compare the manifest's bytes with ``manifest.sha256``; without one (a checkpoint from before
+    it existed) only the structure vouches for the manifest."""
+    checksum_path = directory / MANIFEST_CHECKSUM
+    try:
+        recorded = checksum_path.read_bytes()
+    except FileNotFoundError:
+        return
+    if recorded != _checksum_line(data):  # exactly what write_manifest writes: any change is damage
+        raise ValueError(f"{directory / MANIFEST} does not match its checksum in {MANIFEST_CHECKSUM}")
+
+
+def _checksum_line(manifest: bytes) -> bytes:
+    return hashlib.sha256(manifest).hexdigest().encode() + b"\n"
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's ``object_pairs_hook``: a repeated key (which json would silently resolve to the last
+    one) means the manifest was changed."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def _check_structure(manifest: Any, manifest_path: Path) -> dict[str, dict[str, Any]]:
+    """Return the manifest's ``files`` if the manifest has the structure :func:`write_manifest`
+    writes; otherwise raise ValueError naming the problem (never KeyError or TypeError)."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"{manifest_path} is malformed: {problem}")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"expected a JSON object, found {_show(manifest)}")
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # JSON true is no step
+        raise bad(f'"step" is not a non-negative integer (found {_show(step)})')
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise bad(f'"files" is not a non-empty object (found {_show(files)})')
+    for name, entry in files.items():
+        if name in ("", ".", "..") or any(c in name for c in (os.sep, os.altsep or os.sep, "\0")):
+            raise bad(f'"files" lists {_show(name)}, which is not a file name')
+        if not isinstance(entry, dict):
+            raise bad(f"the entry of {name!r} is not an object (found {_show(entry)})")
+        size, digest = entry.get("size"), entry.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise bad(f'the entry of {name!r} has no valid "size" (found {_show(size)})')
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise bad(f'the entry of {name!r} has no valid "sha256" (found {_show(digest)})')
+    return files
+
+
+def _show(value: Any) -> str:
+    """``repr`` of a value read from a damaged manifest, cut short (it may be the whole manifest)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def replace_pointer(pointer: Path, target: str) -> None:

@@ -29,7 +29,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from spread.checkpoint.atomic import crash_point, fsync_path, replace_pointer, verify, write_manifest
+from spread.checkpoint.atomic import (
+    MANIFEST,
+    crash_point,
+    fsync_path,
+    replace_pointer,
+    verify,
+    write_manifest,
+)
 from spread.checkpoint.compat import raise_if, tensor_mismatches
 from spread.checkpoint.sharded import METADATA_FILE, UnsafeMetadataError, load_shards, save_shards
 from spread.comm.ops import Collectives
@@ -292,11 +299,16 @@ class CheckpointManager:
         shards_like: ShardsLike | None,
     ) -> tuple[int, dict]:
         manifest = verify(path)
+        if f"ckpt-{int(manifest['step']):010d}" != path.name:
+            raise ValueError(f"{path / MANIFEST} says step {manifest['step']}, the directory's name another")
         state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
         if like is not None:
             found = {k: state.get(k) for k in like}
             raise_if(tensor_mismatches(found, like), str(path), "given state")
-        wanted = shards_like(state) if callable(shards_like) else shards_like
+        try:
+            wanted = shards_like(state) if callable(shards_like) else shards_like
+        except CheckpointMismatchError as exc:  # name the checkpoint that does not fit
+            raise CheckpointMismatchError(str(path), exc.what, exc.problems) from None
         if wanted is not None:
             state[SHARDS_KEY] = self._load_shards(path, wanted, map_location)
         return int(manifest["step"]), state

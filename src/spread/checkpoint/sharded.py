@@ -164,7 +164,12 @@ def load_shards(directory: Path, rank: int, like: Mapping[str, torch.Tensor]) ->
     _check_tensors(like)
     reader = SafeFileSystemReader(str(directory))
     metadata = reader.read_metadata()
-    stored = {k: _stored_key(rank, k, v) for k, v in like.items()}
+    # A plain tensor asked for under a split tensor's name reads it whole (a strategy that keeps
+    # whole copies resuming from sharded state); otherwise plain tensors are this rank's own.
+    stored = {
+        k: GLOBAL_PREFIX + k if GLOBAL_PREFIX + k in metadata.state_dict_metadata else _stored_key(rank, k, v)
+        for k, v in like.items()
+    }
     prefix = shard_key(rank, "")
     saved = {
         fqn[len(prefix) :]: entry

@@ -5,8 +5,9 @@ is a process driving one or more replicas; code inside ``strategy.run`` is in *r
 the training loop around it in *cross-replica context*.
 """
 
-from spread.strategies.base import BackupState, ChiefRestore, Strategy, TrainingProgram
+from spread.strategies.base import Strategy, TrainingProgram
 from spread.strategies.central_storage import CentralStorageStrategy
+from spread.strategies.checkpointing import Restored, Stateful, StateLayout
 from spread.strategies.context import ReplicaContext, get_replica_context, get_strategy
 from spread.strategies.mirrored import MirroredStrategy
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
@@ -31,8 +32,9 @@ __all__ = [
     "ShardedStrategy",
     "Strategy",
     "TrainingProgram",
-    "BackupState",
-    "ChiefRestore",
+    "Restored",
+    "StateLayout",
+    "Stateful",
     "get_replica_context",
     "get_strategy",
     "make_strategy",

@@ -5,19 +5,22 @@ kept in sync (``scope``), how is a step run on every replica (``run``), and how 
 values combined (``reduce``, ``gather``). It composes the lower layers (cluster, comm, data) and owns
 no sockets of its own.
 
-What the layers above ask of a strategy beyond that (the Trainer's step, state for checkpoints,
-backups and their restore, skipping the gradient exchange) is a documented method of
-:class:`Strategy` with a default that fits a data-parallel strategy; a strategy that differs
-overrides it. Nothing above this layer probes a strategy for optional attributes.
+What the layers above ask of a strategy beyond that (the Trainer's step, skipping the gradient
+exchange, clipping) is a documented method of :class:`Strategy` with a default that fits a
+data-parallel strategy; a strategy that differs overrides it. Training state goes through one seam,
+``save_checkpoint``/``load_checkpoint``/``full_state_dict`` (:mod:`spread.strategies.checkpointing`),
+whose layout each strategy supplies. Nothing above this layer probes a strategy for optional
+attributes.
 """
 
 from __future__ import annotations
 
 import abc
+import shutil
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +30,8 @@ from spread.data import DataChannel, DistributedDataset, ReplicaLayout, ShardPol
 from spread.errors import SpreadError
 from spread.memory.measure import ActivationMeter
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.strategies import checkpointing
+from spread.strategies.checkpointing import Restored, StateLayout
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.context import (
     ReplicaContext,
@@ -75,28 +80,6 @@ class TrainingProgram(Protocol):
         """The tensor ``loss_fn`` and the metrics take from a model output (a ``ModelOutput``'s
         ``logits``; a tensor as it is)."""
         ...
-
-
-@dataclass(frozen=True)
-class ChiefRestore:
-    """What a rank that does not read the backup itself learns once the chief restored one."""
-
-    backup_step: int  # the global step of the backup the chief restored
-    resume_step: int  # the global step this rank resumes after
-
-
-@dataclass(frozen=True)
-class BackupState:
-    """The model's and optimizer's part of a backup, as a strategy hands it to BackupAndRestore.
-
-    ``model`` and ``optimizer`` are written once, by the chief (replicated state). ``shards``, where
-    not None, is this rank's own part: every rank writes it in parallel through
-    ``torch.distributed.checkpoint`` (a collective save), and nothing is gathered to one rank.
-    """
-
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    shards: dict[str, torch.Tensor] | None = None
 
 
 def check_reduce_op(op: str) -> str:
@@ -460,9 +443,9 @@ class Strategy(abc.ABC):
 
     def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` as this process holds it, sharing the model's storage: for
-        bookkeeping done in place on every rank (a weight average, a best-weights copy, a shape
-        check), never for saving. Default: the model's own. Pipeline: every rank's copy, its other
-        stages' layers included (out of date there; ``model.state_dict()`` itself refuses)."""
+        bookkeeping done in place on every rank (a weight average, a shape check), never for saving
+        (:meth:`full_state_dict` is that). Default: the model's own. Pipeline: every rank's copy, its
+        other stages' layers included (out of date there; ``model.state_dict()`` itself refuses)."""
         return model.state_dict()
 
     def refresh_weights(self) -> None:
@@ -471,35 +454,62 @@ class Strategy(abc.ABC):
         (:attr:`holds_current_weights`). ParameterServer: pull from the servers."""
         return None
 
+    # -- training state: the one seam every save, load, resume and export goes through --------------
+    def full_state_dict(self, obj: nn.Module | torch.optim.Optimizer) -> dict[str, Any]:
+        """The one-device ``state_dict`` of a managed model or its optimizer: gathered from shards,
+        pipeline stages or parameter servers where the strategy splits it, loadable into the same
+        model or optimizer on one device. Collective wherever the state is split (ShardedStrategy,
+        PipelineStrategy): call it on every rank. Tensors may share the model's storage; copy them
+        to keep them past the next step."""
+        return self._state_layout().full_state_dict(obj)
+
+    def load_full_state_dict(self, obj: nn.Module | torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a one-device ``state_dict`` (what :meth:`full_state_dict` returns) into a managed model
+        or its optimizer; each rank keeps its part. Collective where :meth:`full_state_dict` is."""
+        self._state_layout().load_full_state_dict(obj, state)
+
+    def save_checkpoint(
+        self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3
+    ) -> Path:
+        """Write ``state`` as checkpoint ``step`` under the directory ``path``; keep the newest ``keep``.
+
+        ``state`` maps names to models, optimizers, objects with ``state_dict``/``load_state_dict``
+        (the Trainer, a distributed dataset) and plain values, e.g. ``{"model": model, "optimizer":
+        opt, "data": dataset, "step": step}``. The strategy decides the layout (whole on the chief,
+        pieces per rank, gathered stages, servers' shards); the write is atomic and checksummed
+        (:mod:`spread.strategies.checkpointing`). Collective: every rank calls it with the same keys;
+        it returns on every rank once the checkpoint is durable, and raises on every rank if not.
+        """
+        return checkpointing.save(self, path, state, step=step, keep=keep)
+
+    def load_checkpoint(
+        self, path: str | Path, state: MutableMapping[str, Any], *, step: int | None = None
+    ) -> Restored | None:
+        """Restore ``state`` in place from the newest valid checkpoint under ``path`` (or that of
+        ``step``); plain values are put back into ``state``. Returns what was restored, or None when
+        there is no checkpoint. A corrupt checkpoint is skipped with a warning for an older one; one
+        that does not fit (other shapes, another kind of strategy, a replica count this strategy
+        cannot resume at) raises :class:`~spread.errors.CheckpointMismatchError` listing every
+        difference before anything is overwritten. Every rank calls it."""
+        return checkpointing.load(self, path, state, step=step)
+
+    def delete_checkpoints(self, path: str | Path) -> None:
+        """Remove the checkpoint directory ``path`` once no rank can still need it (on the chief,
+        when training finished). Default: at once; parameter servers first wait for the workers
+        that train on after the chief."""
+        shutil.rmtree(path, ignore_errors=True)
+
     @property
-    def state_is_collective(self) -> bool:
-        """Whether :meth:`model_state_dict` and :meth:`optimizer_state_dict` are collectives that
-        every rank must call (the chief alone does not hold the whole model up to date)."""
-        return False
+    def steps_together(self) -> bool:
+        """Whether every rank takes each training step together (a collective per step), so the
+        ranks can agree at a step boundary to stop or back up (a preemption notice). False for
+        parameter servers, whose tasks step on their own."""
+        return True
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The model's state in the one-device layout (what a checkpoint holds)."""
-        return model.state_dict()
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state in the one-device layout."""
-        return optimizer.state_dict()
-
-    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
-        """Load a one-device model state (what :meth:`model_state_dict` returns) into ``model``.
-        Collective where :attr:`state_is_collective`. Default: ``model.load_state_dict``."""
-        model.load_state_dict(state)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-        """Load a one-device optimizer state (what :meth:`optimizer_state_dict` returns). Default:
-        ``optimizer.load_state_dict``; a strategy whose optimizer holds a part of every parameter
-        (sharded data parallelism) keeps its part."""
-        optimizer.load_state_dict(dict(state))
-
-    def optimizer_parameter_shapes(self, optimizer: torch.optim.Optimizer) -> list[torch.Size]:
-        """The one-device shape of each parameter ``optimizer`` steps, in group order (what its
-        :meth:`optimizer_state_dict` state is shaped by). Default: the parameters' own shapes."""
-        return [p.shape for group in optimizer.param_groups for p in group["params"]]
+    def _state_layout(self) -> StateLayout:
+        """How this strategy lays out models and optimizers in a checkpoint (the one-device layout
+        by default); strategies that split state return their own."""
+        return StateLayout(self)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make an optimizer over managed parameters fit this strategy; returns the same object.
@@ -555,80 +565,6 @@ class Strategy(abc.ABC):
     def _exchange_buffers(self) -> list[torch.Tensor]:
         """Buffers the gradient exchange keeps between steps (for :meth:`memory_report`)."""
         return []
-
-    # -- backups (BackupAndRestore) ----------------------------------------------------------------
-    def backup_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> BackupState:
-        """The model's and optimizer's part of a backup (collective where :attr:`state_is_collective`
-        or where it has ``shards``: every rank calls it). Default: the one-device state of
-        :meth:`model_state_dict` and :meth:`optimizer_state_dict`, no per-rank part."""
-        return BackupState(self.model_state_dict(model), self.optimizer_state_dict(optimizer))
-
-    def backup_shards_like(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
-    ) -> dict[str, torch.Tensor] | None:
-        """What this rank reads back of a backup's per-rank part, given the backup's replicated
-        state (``saved["model"]``, ``saved["optimizer"]``; a backup written by another world size
-        too): tensors shaped as wanted now (a ``DTensor`` for this rank's piece of a split tensor).
-        None: the backup has no per-rank part. Raises CheckpointMismatchError when it cannot fit.
-        Default: None (the backup holds the one-device state)."""
-        return None
-
-    def backup_model_like(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """What a backup's replicated ``model`` part must match (names, shapes, dtypes) before it is
-        loaded. Default: :meth:`local_state_dict`; a strategy that saves parameters per rank leaves
-        them out."""
-        return self.local_state_dict(model)
-
-    def restore_backup_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: BackupState
-    ) -> None:
-        """Load what :meth:`backup_state` returned (``shards``: what :meth:`backup_shards_like` asked
-        for, read back). Collective like :meth:`load_model_state_dict`. Default: the one-device
-        state through :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict`."""
-        self.load_model_state_dict(model, state.model)
-        self.load_optimizer_state_dict(optimizer, state.optimizer)
-
-    @property
-    def restores_on_chief_only(self) -> bool:
-        """Whether only the chief reads a backup and restores shared state, the other ranks learning
-        where to resume from :meth:`wait_for_chief_restore` (parameter servers). Otherwise every rank
-        reads the backup."""
-        return False
-
-    def wait_for_chief_restore(self) -> ChiefRestore | None:
-        """On a rank that does not read backups: block until the chief restored one (where to
-        resume) or started afresh (``None``)."""
-        raise NotImplementedError(f"{type(self).__name__}: every rank reads the backup itself")
-
-    def replica_count_change_refusal(self, saved: int) -> str | None:
-        """Why a backup taken with ``saved`` replicas cannot resume at this strategy's
-        :attr:`num_replicas_in_sync`, or ``None`` when it can.
-
-        Default ``None``: a data-parallel backup holds the one-device model and optimizer state and
-        counts data in global batches, and the global batch's math does not depend on how it is split
-        (replicas' shares are weighted; they need not be equal), so it resumes exactly at any count.
-        A strategy whose saved state is per replica or per task refuses, naming what differs.
-        """
-        return None
-
-    def ranks_with_own_backup(self) -> list[int]:
-        """Non-chief ranks that save their own part of every backup (RNG states, History), because
-        the strategy gives them no collective to gather it to the chief."""
-        return []
-
-    def backup_extras(self, global_step: int) -> dict[str, Any]:
-        """What the chief's backup of ``global_step`` holds beyond the model, optimizer and training
-        state (for example the servers' shards and ledgers). Called on the chief only."""
-        return {}
-
-    def restore_backup_extras(self, extras: Mapping[str, Any] | None, global_step: int) -> None:
-        """On the chief: restore what :meth:`backup_extras` returned (``None``: no backup was found,
-        training starts afresh). ``global_step`` is the step the backup was taken at."""
-        return  # nothing beyond the model and optimizer: they are restored by the caller
-
-    def wait_before_deleting_backups(self) -> None:
-        """On the chief, once training finished: block until no rank can still need a backup."""
-        return  # every rank finishes with the chief
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

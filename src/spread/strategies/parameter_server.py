@@ -46,7 +46,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,9 @@ from spread.ps.restore import BackupId, StartAnnouncements, resume_point
 from spread.ps.server import serve
 from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
-from spread.strategies.base import ChiefRestore, Strategy, one_replica_tensor
+from spread.strategies import checkpointing
+from spread.strategies.base import Strategy, one_replica_tensor
+from spread.strategies.checkpointing import Restored, StateLayout
 from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
@@ -220,13 +222,6 @@ class ParameterServerStrategy(Strategy):
         """Pull every variable, embedding tables whole: a task's copy of a table holds only the rows
         its own batches looked up, as they were then (rows it never read keep their initial values)."""
         self._pull_whole(list(self._variables))
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The model with its embedding tables pulled whole first (dense variables came back with
-        this task's last push), so a checkpoint or the best weights hold the servers' values."""
-        if not self._closed:
-            self._pull_whole([n for n, p in self._variables.items() if id(p) in self._embedding_modules])
-        return model.state_dict()
 
     def _check_data(self, data: DistributedDataset) -> None:
         """Sync mode: every training task must push every step, but the tasks share no channel
@@ -536,50 +531,87 @@ class ParameterServerStrategy(Strategy):
         self.local_step = point.steps
         return point.steps
 
-    # -- backups (the strategy contract BackupAndRestore relies on) ---------------------------------
+    # -- training state: the seam (save_checkpoint, load_checkpoint) ---------------------------------
+    # The servers hold the variables and the optimizer state; the chief's checkpoint holds them
+    # (every server's shards and ledger) beside the state it is given. Tasks share no collective, so
+    # in sync mode every other worker writes its own state (its RNG streams, data position) under
+    # ``task-<rank>/``: a sync job resumes bit for bit. Async workers are never bit-exact and write
+    # nothing of their own; on load each learns from the servers' ledgers where it resumes.
     @property
-    def restores_on_chief_only(self) -> bool:
-        return True  # the servers hold the shared state; the chief restores them, the others wait
+    def steps_together(self) -> bool:
+        return False  # each task steps on its own: no step boundary to agree on
 
-    def wait_for_chief_restore(self) -> ChiefRestore | None:
+    def _state_layout(self) -> StateLayout:
+        return ServerLayout(self)
+
+    def _own_parts(self) -> list[int]:
+        """Workers beside the chief that write their own part of each checkpoint (sync mode)."""
+        return list(range(1, self.num_workers)) if self.mode == "sync" else []
+
+    def save_checkpoint(
+        self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3
+    ) -> Path:
+        """The chief writes ``state`` with every server's state; a sync worker its own part; an
+        async worker nothing (see the comment above). Not collective: tasks save on their own."""
+        if self.is_chief:
+            servers = {"servers": self.server_state(), "backup_id": BackupId.new(step).encode()}
+            return checkpointing.save(self, path, {**state, _SERVERS: servers}, step=step, keep=keep)
+        own = _task_directory(path, self.rank)
+        if self.rank in self._own_parts():
+            # One more than the chief keeps: a task may be one checkpoint ahead of a chief that died saving.
+            return checkpointing.save(self, own, _own_state(state), step=step, keep=keep + 1, writes=True)
+        return own / f"ckpt-{step:010d}"
+
+    def load_checkpoint(
+        self, path: str | Path, state: MutableMapping[str, Any], *, step: int | None = None
+    ) -> Restored | None:
+        """The chief restores the newest checkpoint that every sync worker's own part also holds,
+        and the servers from it, then tells the other tasks; they wait for its word, pull the
+        variables and resume after their last step the servers hold (their own part of that step,
+        where they write one)."""
+        if self.is_chief:
+            return self._restore_as_chief(path, state, step)
         backup = self.wait_for_restore()
         if backup is None:
             return None
-        return ChiefRestore(backup_step=backup.step, resume_step=self.resume_from_servers())
+        held = self.resume_from_servers()
+        own = None
+        if self.rank in self._own_parts():
+            own_state = _own_state(state)
+            own = checkpointing.load(self, _task_directory(path, self.rank), own_state, step=held)
+            state.update({k: v for k, v in own_state.items() if k in state})
+        return Restored(step=backup.step, resume_step=held, restored_objects=own is not None)
 
-    def replica_count_change_refusal(self, saved: int) -> str | None:
-        return (
-            f"a parameter-server backup holds each of its {saved} worker tasks' resume point (the "
-            f"steps the servers applied from that task, and in sync mode its RNG states); with "
-            f"{self.num_replicas_in_sync} workers those would belong to no task or be missing: "
-            "resume with the same number of workers"
-        )
-
-    def ranks_with_own_backup(self) -> list[int]:
-        # Sync mode resumes bit for bit, so every task's RNG states matter, and tasks share no
-        # collective to gather them to the chief. Async mode is never bit-exact: they start afresh.
-        return list(range(1, self.num_workers)) if self.mode == "sync" else []
-
-    def backup_extras(self, global_step: int) -> dict[str, Any]:
-        return {"servers": self.server_state(), "backup_id": BackupId.new(global_step).encode()}
-
-    def restore_backup_extras(self, extras: Mapping[str, Any] | None, global_step: int) -> None:
-        if extras is None:
+    def _restore_as_chief(
+        self, path: str | Path, state: MutableMapping[str, Any], step: int | None
+    ) -> Restored | None:
+        full: dict[str, Any] = {**state, _SERVERS: None}
+        restored = None
+        for candidate in _steps(path) if step is None else [step]:
+            if all((_task_directory(path, r) / f"ckpt-{candidate:010d}").is_dir() for r in self._own_parts()):
+                restored = checkpointing.load(self, path, full, step=candidate)
+                if restored is not None:
+                    break
+        if restored is None and step is None and self._own_parts():  # no common step: tasks' RNG afresh
+            restored = checkpointing.load(self, path, full, step=None)
+        if restored is None:
             self._announcements.announce_fresh_start()
-            return
-        servers, backup_id = extras["servers"], extras["backup_id"]
+            return None
+        state.update({k: v for k, v in full.items() if k in state})
+        servers, backup_id = full[_SERVERS]["servers"], full[_SERVERS]["backup_id"]
         self.load_server_state(servers, restored_from=backup_id)
         held = self.resume_from_servers(servers)
-        if held != global_step:
+        if held != restored.step:
             raise SpreadError(
                 f"backup {backup_id}: the servers hold {held} of the chief's steps, "
-                f"the chief saved at step {global_step}"
+                f"the chief saved at step {restored.step}"
             )
+        return restored
 
-    def wait_before_deleting_backups(self) -> None:
-        # The other tasks train on after the chief (async); one that fails later must still find
-        # the backup.
+    def delete_checkpoints(self, path: str | Path) -> None:
+        # The other tasks train on after the chief (async); one that fails later must still find them.
         self.wait_for_workers()
+        super().delete_checkpoints(path)
 
     def restore_servers(self, directory: str | Path) -> int:
         """Load the latest checkpoint into the servers (a replaced server gets its shards back).
@@ -688,3 +720,52 @@ def _row_gradient(grad: torch.Tensor, touched: list[torch.Tensor]) -> tuple[torc
         return g.indices()[0].to("cpu"), g.values()
     ids = torch.unique(torch.cat(touched)) if touched else grad.new_zeros(0, dtype=torch.int64)
     return ids, grad.index_select(0, ids.to(grad.device))
+
+
+class ServerLayout(StateLayout):
+    """A task's model is a cache of the servers' variables: its one-device state is the model with
+    the embedding tables pulled whole (dense variables came back with the task's last push). A
+    checkpoint resumes only under parameter servers with as many workers."""
+
+    family = "parameter_server"
+
+    def __init__(self, strategy: ParameterServerStrategy) -> None:
+        super().__init__(strategy)
+        self.servers = strategy
+
+    def refusal(self, writer: Mapping[str, Any]) -> str | None:
+        refusal = super().refusal(writer)
+        saved = writer.get("num_replicas_in_sync")
+        if refusal is None and saved != self.servers.num_replicas_in_sync:
+            return (
+                f"a parameter-server checkpoint holds each of its {saved} worker tasks' resume point "
+                f"(the steps the servers applied from that task, and in sync mode its RNG states); "
+                f"with {self.servers.num_replicas_in_sync} workers those would belong to no task or "
+                "be missing: resume with the same number of workers"
+            )
+        return refusal
+
+    def full_state_dict(self, obj: nn.Module | torch.optim.Optimizer) -> dict[str, Any]:
+        s = self.servers
+        if isinstance(obj, nn.Module) and not s._closed:
+            s._pull_whole([n for n, p in s._variables.items() if id(p) in s._embedding_modules])
+        return obj.state_dict()
+
+
+_SERVERS = "parameter_servers"  # the chief's checkpoint: every server's state and the backup's id
+
+
+def _task_directory(path: str | Path, rank: int) -> Path:
+    return Path(path) / f"task-{rank:05d}"
+
+
+def _own_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a worker writes of its own: not the model or optimizer (the servers' own)."""
+    return {k: v for k, v in state.items() if not isinstance(v, nn.Module | torch.optim.Optimizer)}
+
+
+def _steps(path: str | Path) -> list[int]:
+    """The chief's checkpoint steps under ``path``, newest first."""
+    return sorted(
+        (int(c.name.removeprefix("ckpt-")) for c in CheckpointManager(path).checkpoints()), reverse=True
+    )

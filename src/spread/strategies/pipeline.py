@@ -54,7 +54,7 @@ hold the same statistics.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
@@ -99,6 +99,7 @@ from spread.pipeline.ownership import StaleStateGuard, TiedGradients, first_owne
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
 from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
+from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import local_norm
 from spread.strategies.context import get_replica_context
 from spread.strategies.multi_worker_mirrored import CollectivesDataChannel
@@ -648,15 +649,8 @@ class PipelineStrategy(Strategy):
         return torch.cat(parts, dim=0).movedim(0, axis)
 
     # -- checkpoints -------------------------------------------------------------------------------
-    @property
-    def state_is_collective(self) -> bool:
-        return True  # the chief holds stage 0 up to date only
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        return self.gather_state_dict(model)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self.gather_optimizer_state_dict(optimizer)
+    def _state_layout(self) -> StateLayout:
+        return PipelineLayout(self)
 
     def gather_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Bring every rank's copy of every layer up to date (each stage's values from its replica-0
@@ -813,3 +807,27 @@ def _check_args(
                 f"split_points must be stages-1={stages - 1} strictly increasing layer indices >= 1 "
                 f"(where stages 1..{stages - 1} start), got split_points={points!r}"
             )
+
+
+class PipelineLayout(StateLayout):
+    """A pipeline's checkpoints hold the one-device state: every stage's layers and optimizer state
+    are gathered (each from its stage's first replica) before the chief writes them, so they load into
+    one device, and into a pipeline cut elsewhere (see
+    :meth:`PipelineStrategy.gather_optimizer_state_dict` for why not per-rank pieces)."""
+
+    family = "pipeline"
+
+    def __init__(self, strategy: PipelineStrategy) -> None:
+        super().__init__(strategy)
+        self.pipeline = strategy
+
+    def full_state_dict(self, obj: nn.Module | torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(obj, nn.Module):
+            return self.pipeline.gather_state_dict(obj)
+        return self.pipeline.gather_optimizer_state_dict(obj)
+
+    def load_full_state_dict(self, obj: nn.Module | torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        obj.load_state_dict(dict(state))  # every rank holds every layer: each keeps what it trains
+
+    def module_signature(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.pipeline.local_state_dict(model)

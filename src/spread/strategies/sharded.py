@@ -43,11 +43,12 @@ Requirements: every rank runs the same modules in forward and backward (collecti
 order). At ``"parameters"`` a parameter must be read inside its unit's forward (a model that reads
 a layer's weight in its own forward, like a tied LM head, is right with the default and with layer
 classes as units; with ``units="modules"`` it is not). Between forwards a released parameter reads
-as zeros of its shape (one element of memory; writing into it raises): use
-:meth:`ShardedStrategy.model_state_dict` or :meth:`ShardedStrategy.unsharded` to see the values.
+as zeros of its shape (one element of memory; writing into it raises), and ``model.state_dict()``
+raises rather than return them: use ``strategy.full_state_dict(model)`` or
+:meth:`ShardedStrategy.unsharded` to see the values.
 
-Backups (:meth:`ShardedStrategy.backup_state`) are per rank, through DCP, and never gathered; the
-one-device state for export is :meth:`ShardedStrategy.model_state_dict` (collective, gathered).
+Checkpoints (:class:`~spread.strategies.sharded_state.ShardedLayout`) are per rank, through DCP,
+and never gathered; the one-device state for export is ``full_state_dict`` (collective, gathered).
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ from torch.utils.hooks import RemovableHandle
 from spread.cluster import ClusterSpec
 from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
-from spread.errors import CheckpointMismatchError, SpreadError
+from spread.errors import SpreadError
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
-from spread.strategies.base import BackupState
+from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
-from spread.strategies.sharded_block import ParameterBlock
+from spread.strategies.sharded_block import ParameterBlock, is_per_element
+from spread.strategies.sharded_state import ShardedLayout
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
 REDUCTIONS_IN_FLIGHT = 2  # gradient reductions a rank keeps open during backward
@@ -164,6 +166,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._next_in_forward: dict[int, ParameterBlock] | None = None
         self._next_in_backward: dict[int, ParameterBlock] | None = None
         self._pre_step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._reading_state = False  # the layout reads released parameters' names and buffers
 
     # -- variables ---------------------------------------------------------------------------------
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
@@ -211,6 +214,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         for block in {id(b): b for b in created.values()}.values():
             if self.shard == "parameters":
                 block.release()
+        if self.shard == "parameters":
+            for module in _unique_modules(modules):
+                if any(p is not None and id(p) in created for p in module._parameters.values()):
+                    self._handles.append(module.register_state_dict_pre_hook(self._refuse_released_state))
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         blocks = self._module_blocks[module]
@@ -363,7 +370,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         return optimizer
 
     def _chunk_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
-        if _is_per_element(key, value, block.layout.shapes[i]):
+        if is_per_element(key, value, block.layout.shapes[i]):
             return block.layout.chunk_of(i, value, self.collectives.rank)
         return value
 
@@ -400,11 +407,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._buffers is not None:
             self._buffers.sync(self._buffer_weight)
 
-    # -- state in the one-device layout ------------------------------------------------------------
-    @property
-    def state_is_collective(self) -> bool:
-        return True
-
+    # -- state: the seam's layout (spread.strategies.sharded_state) -------------------------------
     @property
     def holds_current_weights(self) -> bool:
         return self.shard != "parameters"
@@ -422,67 +425,47 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             for block in gathered:
                 block.release()
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        with self.unsharded():
-            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    def _state_layout(self) -> StateLayout:
+        return ShardedLayout(self)
 
-    def gather_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The full one-device weights of ``model`` (collective): :meth:`model_state_dict`."""
-        return self.model_state_dict(model)
+    @contextmanager
+    def reading_released_state(self) -> Iterator[None]:
+        """The layout's own reads of the model's state while parameters are released (it takes
+        buffers and names from it, never the released values)."""
+        previous, self._reading_state = self._reading_state, True
+        try:
+            yield
+        finally:
+            self._reading_state = previous
 
-    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
-        with self.unsharded():
-            model.load_state_dict(state)
-            for block in self._blocks:
-                block.refresh_shards()
-
-    def optimizer_parameter_shapes(self, optimizer: torch.optim.Optimizer) -> list[torch.Size]:
-        shapes = []
-        for p in self._optimizer_params(optimizer):
-            block = self._shard_to_block.get(id(p))
-            shapes.append(block.layout.shapes[_index_in(block, p)] if block is not None else p.shape)
-        return shapes
+    def _refuse_released_state(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``model.state_dict()`` would return released parameters' zeros: raise, naming the calls
+        that give the weights (a chief-only ``save_pretrained`` must not write zeros silently)."""
+        if self._reading_state:
+            return
+        for p in module._parameters.values():
+            if p is not None and id(p) in self._block_of and not self._block_of[id(p)][0].resident:
+                raise SpreadError(
+                    f"{type(module).__name__}.state_dict() under ShardedStrategy(shard='parameters') "
+                    "would hold zeros: each rank keeps 1/N of every parameter between steps. Call "
+                    "strategy.full_state_dict(model) on every rank (collective) for the one-device "
+                    "weights (e.g. model.save_pretrained(path, state_dict=strategy.full_state_dict(model)) "
+                    "on the chief), or read the model inside `with strategy.unsharded():` on every rank"
+                )
 
     def _optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         self.prepare_optimizer(optimizer)
         return [p for group in optimizer.param_groups for p in group["params"]]
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The one-device optimizer state (collective): per-element state gathered from every rank."""
-        params = self._optimizer_params(optimizer)
-        saved = optimizer.state_dict()
-        full: dict[int, dict[str, Any]] = {}
-        for index, state in saved["state"].items():
-            block = self._shard_to_block.get(id(params[index]))
-            if block is None:
-                full[index] = state
-                continue
-            i = _index_in(block, params[index])
-            full[index] = {k: self._gather_state(block, i, k, v) for k, v in state.items()}
-        return {"state": full, "param_groups": saved["param_groups"]}
-
     def _gather_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
-        if not _is_per_element(key, value, block.shards[i].shape):
+        """One optimizer state entry of a shard, whole: per-element state gathered from every rank."""
+        if not is_per_element(key, value, block.shards[i].shape):
             return value
         layout = block.layout
         gathered = value.new_empty(layout.world_size * layout.chunks[i])
         self.collectives.all_gather_into(gathered, value.contiguous(), name="sharded.gather_optimizer_state")
         return gathered[: layout.numel(i)].view(layout.shapes[i]).clone()
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-        """Load a one-device optimizer state, keeping this rank's chunk of per-element state."""
-        params = self._optimizer_params(optimizer)
-        mine: dict[int, dict[str, Any]] = {}
-        for index, entry in state["state"].items():
-            block = self._shard_to_block.get(id(params[int(index)]))
-            if block is None:
-                mine[index] = entry
-                continue
-            i = _index_in(block, params[int(index)])
-            mine[index] = {k: self._chunk_state(block, i, k, v) for k, v in entry.items()}
-        optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
-
-    # -- backups written per rank ------------------------------------------------------------------
     # Each parameter's (and per-element optimizer state's) chunk is this rank's piece of the flat
     # one-device tensor, at offset rank * chunk: torch.chunk's split, which is DTensor's Shard(0)
     # on a 1-D mesh. Saved as DTensors, DCP stores each piece with its offset and, at another world
@@ -506,104 +489,13 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             name: self._block_of[id(p)] for name, p in model.named_parameters() if id(p) in self._block_of
         }
 
-    def backup_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> BackupState:
-        """Collective: the chief's replicated part holds buffers, parameter shapes, the optimizer's
-        param groups and scalar state; every rank's ``shards`` hold its pieces of the parameters and
-        of their per-element optimizer state. Nothing is gathered."""
-        mesh = self._mesh()
-        managed = self._managed_names(model)
-        shards: dict[str, torch.Tensor] = {
-            f"model/{name}": self._piece(block, i, block.shards[i].detach(), mesh)
-            for name, (block, i) in managed.items()
-        }
-        model_part: dict[str, Any] = {
-            k: v.detach().clone()
-            for k, v in model.state_dict(keep_vars=True).items()
-            if id(v) not in self._block_of
-        }
-        params = self._optimizer_params(optimizer)
-        saved = optimizer.state_dict()
-        kept: dict[int, dict[str, Any]] = {}
-        per_rank: dict[int, list[str]] = {}
-        for index, entry in saved["state"].items():
-            block = self._shard_to_block.get(id(params[index]))
-            kept[index] = {}
-            for key, value in entry.items():
-                if block is not None and _is_per_element(key, value, params[index].shape):
-                    i = _index_in(block, params[index])
-                    shards[f"optimizer/{index}/{key}"] = self._piece(block, i, value, mesh)
-                    per_rank.setdefault(index, []).append(key)
-                else:
-                    kept[index][key] = value
-        optimizer_part = {
-            "state": kept,
-            "param_groups": saved["param_groups"],
-            "per_rank_state": per_rank,
-            "parameter_shapes": {name: list(block.layout.shapes[i]) for name, (block, i) in managed.items()},
-        }
-        return BackupState(model_part, optimizer_part, shards)
-
-    def backup_model_like(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in self._block_of}
-
-    def backup_shards_like(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
-    ) -> dict[str, torch.Tensor] | None:
-        optimizer_part = saved.get("optimizer") or {}
-        if "per_rank_state" not in optimizer_part:
-            return None  # a backup of the one-device state (an older spread): restored as such
-        managed = self._managed_names(model)
-        shapes = {name: list(block.layout.shapes[i]) for name, (block, i) in managed.items()}
-        saved_shapes = optimizer_part.get("parameter_shapes", {})
-        problems = [
-            f"parameter {name!r}: saved {tuple(saved_shapes[name])}, expected {tuple(shape)}"
-            for name, shape in shapes.items()
-            if name in saved_shapes and list(saved_shapes[name]) != shape
-        ]
-        params = self._optimizer_params(optimizer)
-        mesh = self._mesh()
-        like: dict[str, torch.Tensor] = {
-            f"model/{name}": self._piece(block, i, block.shards[i].detach(), mesh)
-            for name, (block, i) in managed.items()
-        }
-        for index, keys in optimizer_part["per_rank_state"].items():
-            block = self._shard_to_block.get(id(params[index])) if 0 <= index < len(params) else None
-            if block is None:
-                problems.append(f"optimizer state {index}: no sharded parameter has that index now")
-                continue
-            i = _index_in(block, params[index])
-            for key in keys:
-                like[f"optimizer/{index}/{key}"] = self._piece(block, i, block.shards[i].detach(), mesh)
-        if problems:
-            raise CheckpointMismatchError("the backup", "sharded parameters", problems)
-        return like
-
-    def restore_backup_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: BackupState
-    ) -> None:
-        """Collective at ``"optimizer"`` and ``"gradients"`` (the model's full parameters are
-        all-gathered from the restored shards); the rest is local."""
-        if state.shards is None:
-            super().restore_backup_state(model, optimizer, state)
-            return
-        model.load_state_dict(state.model, strict=False)  # buffers; backup_model_like checked them
-        managed = self._managed_names(model)
-        with torch.no_grad():
-            for name, (block, i) in managed.items():
-                _fill(block.shards[i], state.shards[f"model/{name}"])
-        params = self._optimizer_params(optimizer)
-        optimizer_state: dict[int, dict[str, Any]] = {}
-        for index, entry in state.optimizer["state"].items():
-            optimizer_state[index] = dict(entry)
-            for key in state.optimizer["per_rank_state"].get(index, []):
-                chunk = params[index].detach().new_zeros(params[index].shape)
-                _fill(chunk, state.shards[f"optimizer/{index}/{key}"])
-                optimizer_state[index][key] = chunk
-        optimizer.load_state_dict({"state": optimizer_state, "param_groups": state.optimizer["param_groups"]})
-        for block in {id(b): b for b, _ in managed.values()}.values():  # the same order on every rank
+    def _restore_blocks(self, blocks: Sequence[ParameterBlock]) -> None:
+        """After shards were overwritten: the model's full values follow (gathered at ``"optimizer"``
+        and ``"gradients"``; at ``"parameters"`` left to the next forward). Same order on every rank."""
+        for block in blocks:
             if self.shard == "parameters":
                 if block.resident:
-                    block.release()  # the next forward gathers the restored shards
+                    block.release()
             else:
                 block.resident = False
                 block.gather()
@@ -647,22 +539,6 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     def __repr__(self) -> str:
         return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
-
-
-def _fill(chunk: torch.Tensor, piece: torch.Tensor) -> None:
-    """Write a restored piece into a (padded) chunk; the padding is zeros."""
-    chunk.zero_()
-    chunk[: piece.numel()].copy_(piece.reshape(-1))
-
-
-def _index_in(block: ParameterBlock, shard: torch.Tensor) -> int:
-    return next(j for j, s in enumerate(block.shards) if s is shard)
-
-
-def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
-    """Whether an optimizer state entry has one value per parameter element (momentum, moments);
-    ``step`` counts are shared even for a 0-dim parameter."""
-    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
 
 
 def _unit_regions(modules: list[nn.Module], units: Units) -> list[tuple[nn.Module, list[nn.Module]]]:

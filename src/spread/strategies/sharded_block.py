@@ -7,6 +7,8 @@ reduction of their gradients, each one collective per block (see :mod:`spread.st
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -147,3 +149,19 @@ class ParameterBlock:
                 shard.grad = grad.clone() if self.shard == "optimizer" else grad
             else:
                 shard.grad.add_(grad)
+
+
+def fill_chunk(chunk: torch.Tensor, piece: torch.Tensor) -> None:
+    """Write a restored piece into a (padded) chunk; the padding is zeros."""
+    chunk.zero_()
+    chunk[: piece.numel()].copy_(piece.reshape(-1))
+
+
+def index_in(block: ParameterBlock, shard: torch.Tensor) -> int:
+    return next(j for j, s in enumerate(block.shards) if s is shard)
+
+
+def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether an optimizer state entry has one value per parameter element (momentum, moments);
+    ``step`` counts are shared even for a 0-dim parameter."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -23,12 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from spread.checkpoint.compat import field_mismatches, raise_if
 from spread.data import DistributedDataset, ReplicaLayout
 from spread.data.batches import Batch, as_batch
-from spread.errors import NonFiniteLossError
+from spread.errors import NonFiniteLossError, SpreadError
 from spread.memory.accumulation import check_accumulation_steps, micro_batches
 from spread.ps import ClusterCoordinator
 from spread.strategies import Strategy, make_strategy
+from spread.train import rng
 from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
 from spread.train.coordinated import check_coordinated, fit_coordinated
 from spread.train.lr_schedule import LRSchedule, SchedulerArg
@@ -141,9 +144,12 @@ class Trainer:
         self.grad_norm_sums = torch.zeros(2, dtype=torch.float64)  # this epoch's [sum of norms, steps]
         self.data_wait_fraction = 0.0  # share of the last epoch this rank spent waiting for batches
         self.running_sums: RunningSums | None = None  # the current epoch's loss and metric sums
-        self.resume_point: dict[str, Any] | None = None  # set by BackupAndRestore in on_train_begin
+        self.train_dataset: DistributedDataset | None = None  # the running fit's training data
+        self._resume: dict[str, Any] | None = None  # where a restored fit continues (load_state_dict)
+        self._data_config: dict[str, Any] = {}  # the running fit's data order (seed, shuffle)
         self.history = History()
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
+        self._fit_callbacks: list[Callback] = []  # the running fit's callbacks, on this rank or not
         if not self.strategy.is_managed(model):
             self.strategy.prepare_model(model)
         self.strategy.prepare_optimizer(optimizer)  # after the model: it may rewire the optimizer
@@ -253,6 +259,7 @@ class Trainer:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if not 0 <= initial_epoch < epochs:
             raise ValueError(f"initial_epoch must be in [0, epochs), got {initial_epoch!r}")
+        self._data_config = {"seed": seed, "shuffle": shuffle}
         if self.coordinator is not None:
             return self._fit_coordinated(
                 train_data,
@@ -274,7 +281,7 @@ class Trainer:
             steps = min(steps, steps_per_epoch) if steps is not None else steps_per_epoch
         cbs = self._start_fit(epochs, steps, global_batch_size, verbose, callbacks, progress=bool(verbose))
         self.train_dataset = train
-        self.resume_point = None
+        self._resume = None
         try:
             return self._fit_epochs(
                 cbs,
@@ -348,7 +355,8 @@ class Trainer:
         defaults: list[Callback] = [self.history]
         if progress:
             defaults.append(ProgressBar(verbose=verbose))
-        cbs = CallbackList([*defaults, *self.callbacks, *(callbacks or [])], self)
+        self._fit_callbacks = [*defaults, *self.callbacks, *(callbacks or [])]
+        cbs = CallbackList(self._fit_callbacks, self)
         self.active_callbacks = list(cbs)
         self.stop_training = False
         return cbs
@@ -378,7 +386,8 @@ class Trainer:
     ) -> History:
         """``fit``'s loop over epochs and steps (``fit`` prepares and cleans up around it)."""
         cbs.call("on_train_begin", {})
-        resume, self.resume_point = self.resume_point, None
+        cbs.call("on_train_restore")  # after every on_train_begin: nothing resets what is restored
+        resume, self._resume = self._resume, None
         logs: dict[str, float] = {}
         for epoch in range(resume["epoch"] if resume else initial_epoch, epochs):
             self.epoch = epoch
@@ -478,32 +487,112 @@ class Trainer:
         total, count = self.grad_norm_sums.tolist()
         return {"grad_norm": total / count} if count else {}
 
-    # -- state beyond model and optimizer (BackupAndRestore, ModelCheckpoint) ----------------------
-    def training_state(self) -> dict[str, Any]:
-        """The learning-rate scheduler's state, the fp16 loss scaler's and this epoch's gradient-norm
-        sums: what a backup holds of the Trainer besides the model, optimizer and data position."""
-        state: dict[str, Any] = {"grad_norm_sums": self.grad_norm_sums.clone()}
+    # -- training state (the state seam saves the Trainer beside the model and optimizer) -------------
+    def state_dict(self) -> dict[str, Any]:
+        """The running fit's state beyond the model and optimizer, so that a resumed fit continues
+        exactly: the step, the data position and the epoch's running sums, the gradient-norm sums,
+        the schedule and loss scaler, every rank's RNG streams, each callback's own state (History's
+        logs, EarlyStopping's patience, ...), and what must not change for an exact resume (the
+        global batch size, the optimizer's class, the data order's seed). Collective (the RNG streams
+        are gathered): every rank calls it, during ``fit``."""
+        if self.running_sums is None or self.train_dataset is None:
+            raise RuntimeError("Trainer.state_dict() is the state of a running fit: call it during fit")
+        position = self.train_dataset.state_dict()
+        totals = self.running_sums.totals
+        state: dict[str, Any] = {
+            "config": self._resume_config(),
+            "global_step": self.global_step,
+            "epoch": position["epoch"],
+            "batch": position["batch"],
+            "sums": totals.clone() if position["batch"] else torch.zeros_like(totals),
+            "grad_norm_sums": self.grad_norm_sums.clone(),
+            "rng": rng.states(self.strategy),
+            "callbacks": self._callback_states(),
+        }
+        state.update(self.schedule_state_dict())
+        return state
+
+    def schedule_state_dict(self) -> dict[str, Any]:
+        """The learning-rate scheduler's (``lr_scheduler``) and the fp16 loss scaler's
+        (``grad_scaler``) state, where the Trainer has them (what ``ModelCheckpoint`` saves beside
+        the model and optimizer). Local: no collective."""
+        state: dict[str, Any] = {}
         if self.lr_schedule is not None:
             state["lr_scheduler"] = self.lr_schedule.state_dict()
         if self.precision.scaler is not None:
             state["grad_scaler"] = self.precision.state_dict()
         return state
 
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`training_state` (a backup of a run without a scheduler or scaler leaves this
-        Trainer's as they are)."""
-        if "grad_norm_sums" in state:
-            self.grad_norm_sums = state["grad_norm_sums"].clone().to(torch.float64)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` before a fit's first step (``BackupAndRestore`` does, from the
+        callbacks' ``on_train_restore``): the fit continues after the saved step. Refuses, before
+        changing anything, a state saved with another global batch size, optimizer or data seed."""
+        problems = field_mismatches(state.get("config") or {}, self._resume_config())
+        raise_if(problems, "the checkpoint", "Trainer configuration (an exact resume needs them unchanged)")
+        self.global_step = int(state["global_step"])
+        self._resume = {"epoch": int(state["epoch"]), "batch": int(state["batch"]), "sums": state["sums"]}
+        self.grad_norm_sums = state["grad_norm_sums"].clone().to(torch.float64)
         if self.lr_schedule is not None and "lr_scheduler" in state:
             self.lr_schedule.load_state_dict(state["lr_scheduler"])
         if "grad_scaler" in state:
             self.precision.load_state_dict(state["grad_scaler"])
+        rng.restore(state["rng"], self.strategy.rank)
+        self._load_callback_states(state.get("callbacks") or {})
 
-    def replay_training_state(self, global_step: int, epoch: int) -> None:
-        """A rank resuming without the backup's Trainer state (an async parameter-server worker):
-        advance the schedule to ``global_step`` steps, ``epoch`` epochs."""
+    def resume_at(self, global_step: int) -> None:
+        """Continue the next fit after ``global_step`` optimizer steps without a saved Trainer state
+        (an asynchronous parameter-server worker, whose step count the servers hold): the data
+        position follows from the steps per epoch, the schedule is replayed to it."""
+        steps = self.params.get("steps")
+        if not steps:
+            raise SpreadError(
+                f"resuming under {type(self.strategy).__name__} needs a dataset with a length (or "
+                "steps_per_epoch) to turn a task's step count back into a data position"
+            )
+        self.global_step = global_step
+        epoch = global_step // steps
+        sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64)
+        self._resume = {"epoch": epoch, "batch": global_step % steps, "sums": sums}
         if self.lr_schedule is not None:
             self.lr_schedule.replay(global_step, epoch)
+
+    def _resume_config(self) -> dict[str, Any]:
+        return {
+            "global_batch_size": self.params.get("global_batch_size"),
+            "optimizer": type(self.optimizer).__name__,
+            **self._data_config,
+        }
+
+    def _keyed_callbacks(self) -> dict[str, Callback]:
+        """The running fit's callbacks by state key: class name, ``#k`` for the k-th repeat (the
+        same keys on every rank, whether a callback runs there or not)."""
+        keyed: dict[str, Callback] = {}
+        counts: dict[str, int] = {}
+        for cb in self._fit_callbacks:
+            name = type(cb).__name__
+            k = counts.get(name, 0)
+            counts[name] = k + 1
+            keyed[name if k == 0 else f"{name}#{k}"] = cb
+        return keyed
+
+    def _callback_states(self) -> dict[str, Any]:
+        """The non-empty ``state_dict()`` of every callback running on this rank (in order: some
+        are collective)."""
+        running = {id(cb) for cb in self.active_callbacks}
+        states = {key: cb.state_dict() for key, cb in self._keyed_callbacks().items() if id(cb) in running}
+        return {key: state for key, state in states.items() if state}
+
+    def _load_callback_states(self, saved: Mapping[str, Any]) -> None:
+        callbacks = self._keyed_callbacks()
+        for key, state in saved.items():
+            if key in callbacks:
+                callbacks[key].load_state_dict(state)
+            else:
+                warnings.warn(
+                    f"the checkpoint holds the state of a {key} callback that this fit does not have; "
+                    "it is ignored",
+                    stacklevel=3,
+                )
 
     def _evaluate(self, data: Any, global_batch_size: int, cbs: CallbackList | None) -> dict[str, float]:
         if self.coordinator is None:

@@ -30,7 +30,7 @@ with strategy.scope():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, metrics=["accuracy"])
 history = trainer.fit((x, y), epochs=3, global_batch_size=64, shuffle=True, verbose=0)
-weights = strategy.model_state_dict(model)  # collective where the model is sharded
+weights = strategy.full_state_dict(model)  # collective where the model is sharded
 if strategy.is_chief:
     torch.save({k: v.detach().clone() for k, v in weights.items()}, out)
     print("replicas", strategy.num_replicas_in_sync, "loss", history.history["loss"][-1])

@@ -39,8 +39,8 @@ class FakeTrainer:
         self.global_step = 0
         self.active_callbacks: list[Callback] = []
 
-    def training_state(self) -> dict[str, Any]:
-        return {"grad_norm_sums": torch.zeros(2, dtype=torch.float64)}  # no scheduler, no scaler
+    def schedule_state_dict(self) -> dict[str, Any]:
+        return {}  # no scheduler, no scaler
 
     def fit(
         self,

@@ -149,8 +149,12 @@ def test_failed_best_save_does_not_raise_the_bar(fake_trainer, tmp_path, monkeyp
     assert (tmp_path / "best.pt").exists()
 
 
-def test_chief_only(fake_trainer, tmp_path):
-    assert list(CallbackList([ModelCheckpoint(tmp_path / "m.pt")], fake_trainer(is_chief=False))) == []
+def test_runs_on_every_rank_and_only_the_chief_writes(fake_trainer, tmp_path):
+    # Every rank takes part (the one-device state is collective under Sharded and Pipeline).
+    checkpoint = ModelCheckpoint(tmp_path / "m.pt")
+    assert list(CallbackList([checkpoint], fake_trainer(is_chief=False))) == [checkpoint]
+    fake_trainer(is_chief=False).fit([checkpoint])
+    assert not (tmp_path / "m.pt").exists()
 
 
 @pytest.mark.parametrize(

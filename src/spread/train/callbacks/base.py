@@ -51,6 +51,11 @@ class Callback:
         return trainer.is_chief or not self.chief_only
 
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
+    def on_train_restore(self) -> None:
+        """After every callback's ``on_train_begin`` and before the first step: where a callback
+        restores training state (:class:`~spread.callbacks.BackupAndRestore`), so that no other
+        callback's ``on_train_begin`` resets what was restored."""
+
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_fit_exit(self) -> None:
         """``fit`` is leaving, normally (after ``on_train_end``) or by an exception: release what
@@ -67,19 +72,20 @@ class Callback:
     def on_train_batch_begin(self, step: int, logs: Logs | None = None) -> None: ...
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None: ...
     def state_dict(self) -> dict[str, Any]:
-        """What :class:`~spread.callbacks.BackupAndRestore` saves for this callback, so that a resumed
-        ``fit`` continues it exactly: tensors, numbers, strings, and lists or dicts of them (loaded
-        with ``weights_only=True``). ``{}`` (the default): nothing to save.
+        """This callback's part of the Trainer's state (``Trainer.state_dict``, which
+        :class:`~spread.callbacks.BackupAndRestore` saves), so that a resumed ``fit`` continues it
+        exactly: tensors, numbers, strings, and lists or dicts of them (loaded with
+        ``weights_only=True``). ``{}`` (the default): nothing to save.
 
-        Called on every rank at every backup, in the same order on every rank, so it may run
-        collectives; the chief's result is the one written.
+        Called at every backup on every rank the callback runs on, in the same order on every rank,
+        so it may run collectives; the chief's result is the one written.
         """
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned. BackupAndRestore calls it in its
-        ``on_train_begin`` on every rank that reads the backup, after the model and optimizer are
-        restored and before the first step."""
+        """Restore what :meth:`state_dict` returned: called on every rank that reads the backup
+        (whether this callback runs there or not), before the first step and before the model and
+        optimizer are restored (so a refusal changes no weight)."""
         if state:
             raise NotImplementedError(f"{type(self).__name__} saves state but does not load it")
 

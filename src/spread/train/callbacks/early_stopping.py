@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -91,7 +93,7 @@ class EarlyStopping(Callback):
         # copy=True: on a CPU model .to("cpu") would return the live tensors, which training overwrites.
         # Through the strategy (every rank calls it alike): the one-device weights where the model
         # is split or sharded over the ranks (collective there).
-        weights = self.trainer.strategy.model_state_dict(self.trainer.model)
+        weights = self.trainer.strategy.full_state_dict(self.trainer.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
 
     def _print(self, message: str) -> None:
@@ -138,4 +140,24 @@ class EarlyStopping(Callback):
             self._print(f"epoch {self.stopped_epoch + 1}: early stopping ({self.monitor} did not improve)")
         if self.restore_best_weights and self.best_weights is not None:
             self._print(f"restoring model weights from the end of the best epoch: {self.best_epoch + 1}")
-            self.trainer.strategy.load_model_state_dict(self.trainer.model, self.best_weights)
+            self.trainer.strategy.load_full_state_dict(self.trainer.model, self.best_weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Patience, the best value and epoch (and the best weights, one-device, when kept): a
+        resumed fit stops where the uninterrupted one would and restores the same weights."""
+        state: dict[str, Any] = {
+            "wait": self.wait,
+            "stopped_epoch": self.stopped_epoch,
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+        }
+        if self.best_weights is not None:
+            state["best_weights"] = self.best_weights
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.wait = int(state["wait"])
+        self.stopped_epoch = int(state["stopped_epoch"])
+        self.best = None if state["best"] is None else float(state["best"])
+        self.best_epoch = int(state["best_epoch"])
+        self.best_weights = dict(state["best_weights"]) if "best_weights" in state else None

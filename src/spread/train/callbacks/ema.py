@@ -13,7 +13,7 @@ integer buffers (``num_batches_tracked``) are not averaged and not swapped.
 Under every data-parallel strategy the weights are the same on every rank after a step (and buffers
 are kept in sync), so each rank keeps the same average without communicating. Under a pipeline each
 rank's average is current for its own stage's layers, which is what its stage evaluates with; its
-backup state is gathered to the one-device layout through ``strategy.model_state_dict``. Parameter
+backup state is gathered to the one-device layout through ``strategy.full_state_dict``. Parameter
 servers are refused (``Strategy.holds_current_weights``): a task's model is a partial cache.
 
 ``BackupAndRestore`` saves the average with every backup (:meth:`EMA.state_dict`) and restores it
@@ -130,7 +130,7 @@ class EMA(Callback):
         if self.shadow is None:
             return {}
         with self.applied():
-            full = self.trainer.strategy.model_state_dict(self.trainer.model)
+            full = self.trainer.strategy.full_state_dict(self.trainer.model)
             shadow = {k: full[k].detach().clone() for k in self.shadow}
         return {"decay": self.decay, "num_updates": self.num_updates, "shadow": shadow}
 

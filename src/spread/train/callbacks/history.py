@@ -7,6 +7,7 @@ replacing it. Every rank sees the same logs, so every rank's History is identica
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from spread.train.callbacks.base import Callback, Logs
@@ -29,6 +30,14 @@ class History(Callback):
         self.epoch.append(epoch)
         for name, value in (logs or {}).items():
             self.history.setdefault(name, []).append(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The record so far: a resumed ``fit`` returns the whole run's History."""
+        return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = {k: list(v) for k, v in state["history"].items()}
+        self.epoch = [int(e) for e in state["epoch"]]
 
     def __repr__(self) -> str:
         return f"History(epochs={len(self.epoch)}, keys={sorted(self.history)})"

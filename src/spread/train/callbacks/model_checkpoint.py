@@ -1,28 +1,29 @@
 """ModelCheckpoint: save the model (and optionally the optimizer) during ``fit``, Keras-style.
 
-The file is written so that a crash, a full disk or a kill at any moment leaves either the previous
-file or the new one under the final name, never a torn one: torch.save goes to a hidden temporary
-file in the same directory, which is flushed and fsync'ed, then renamed over the final name with
-``os.replace`` (atomic on POSIX and Windows), and the directory is fsync'ed so the rename itself
-survives a power loss. Overwriting a checkpoint in place (nanoGPT) loses both copies on a crash.
+A policy: it decides when to save and which file to keep (``save_best_only`` on ``monitor``); the
+one-device weights come from the strategy (``strategy.full_state_dict``: gathered from shards or
+pipeline stages where the strategy splits them, so the callback runs on every rank and the chief
+writes), and the file is written by the project's one atomic writer
+(:func:`spread.checkpoint.atomic.atomic_save`): a crash, a full disk or a kill at any moment leaves
+either the previous file or the new one under the final name, never a torn one. Overwriting a
+checkpoint in place (nanoGPT) loses both copies on a crash.
 
-Only the chief writes (every rank holds the same replicated weights). Under a strategy whose chief
-does not hold the whole model up to date (``strategy.state_is_collective``: a pipeline), the callback
-runs on every rank, gathers the model (and optimizer) state collectively into the one-device layout,
-and the chief writes it: the file loads into a one-device model.
+A name ending in ``.safetensors`` is written as safetensors (weights only; loadable with
+``safetensors.torch.load_file`` and ``from_pretrained``-style loaders); asking for the optimizer
+in one is refused, never a pickle under that name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import sys
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import IO, Any
 
 import torch
 
+from spread.checkpoint.atomic import atomic_save
 from spread.train.callbacks._monitor import (
     as_float,
     check_freq,
@@ -33,44 +34,15 @@ from spread.train.callbacks._monitor import (
 )
 from spread.train.callbacks.base import Callback, Logs
 
-
-def _fsync_directory(directory: str) -> None:
-    # Makes the rename durable. Some platforms (Windows) and filesystems cannot open or fsync a
-    # directory; the rename is still atomic there, only its durability on power loss is weaker.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+SAFETENSORS_SUFFIX = ".safetensors"
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj, path)`` that never leaves a half-written file under ``path``.
+def _write_safetensors(state: Mapping[str, torch.Tensor], f: IO[bytes]) -> None:
+    """safetensors bytes of a one-device ``state_dict``: each tensor its own contiguous copy (tied
+    weights share storage, which safetensors refuses), on the CPU."""
+    from safetensors.torch import save
 
-    On failure the temporary file is removed, ``path`` keeps its previous content (if any) and the
-    exception propagates.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # Hidden and suffixed so globs like "*.pt" never pick up a temporary file.
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
+    f.write(save({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}))
 
 
 class ModelCheckpoint(Callback):
@@ -92,10 +64,10 @@ class ModelCheckpoint(Callback):
             running means of the current epoch, as in Keras).
         verbose: 1 prints a line for each save (and each skipped best-only save).
 
-    Load with ``torch.load(path, weights_only=True)``.
+    Load with ``torch.load(path, weights_only=True)`` (a ``.safetensors`` name: with
+    ``safetensors.torch.load_file``). Runs on every rank (the one-device state is collective under
+    ShardedStrategy and PipelineStrategy); only the chief writes and prints.
     """
-
-    chief_only = True
 
     def __init__(
         self,
@@ -113,6 +85,12 @@ class ModelCheckpoint(Callback):
         if not isinstance(monitor, str) or not monitor:
             raise invalid("monitor", monitor, "a non-empty log name")
         self.filepath = os.fspath(filepath)
+        if self.filepath.endswith(SAFETENSORS_SUFFIX) and not save_weights_only:
+            raise ValueError(
+                f"ModelCheckpoint(filepath={self.filepath!r}, save_weights_only=False): a .safetensors "
+                "file holds tensors only, not the optimizer's state and the position; use "
+                "save_weights_only=True, or a .pt name for the whole state"
+            )
         self.monitor = monitor
         self.mode = resolve_mode(monitor, mode)
         self.save_best_only = bool(save_best_only)
@@ -124,9 +102,6 @@ class ModelCheckpoint(Callback):
         self._batches_since_save = 0
         self._epoch = 0
         self._warned_missing = False
-
-    def runs_on(self, trainer: Any) -> bool:
-        return super().runs_on(trainer) or trainer.strategy.state_is_collective
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._batches_since_save = 0
@@ -165,17 +140,28 @@ class ModelCheckpoint(Callback):
     def _state(self, epoch: int) -> Any:
         trainer = self.trainer
         # Collective where the strategy's state is: every rank takes part, the chief writes.
-        model_state = trainer.strategy.model_state_dict(trainer.model)
+        model_state = trainer.strategy.full_state_dict(trainer.model)
         if self.save_weights_only:
             return model_state
-        optimizer_state = trainer.strategy.optimizer_state_dict(trainer.optimizer)
+        optimizer_state = trainer.strategy.full_state_dict(trainer.optimizer)
+        schedule = trainer.schedule_state_dict()
         return {
             "model": model_state,
             "optimizer": optimizer_state,
             "epoch": epoch,
             "global_step": self.trainer.global_step,
-            **{k: v for k, v in trainer.training_state().items() if k in ("lr_scheduler", "grad_scaler")},
+            **schedule,
         }
+
+    # -- the callback's own state (resumed with the Trainer's) --------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The best value so far and the batches since the last save: after a resume,
+        ``save_best_only`` does not overwrite the best file with a worse model."""
+        return {"best": self.best, "batches_since_save": self._batches_since_save}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = float(state["best"])
+        self._batches_since_save = int(state["batches_since_save"])
 
     def _warn_missing(self, logs: Logs) -> None:
         if self._warned_missing:
@@ -220,5 +206,9 @@ class ModelCheckpoint(Callback):
             print(f"epoch {epoch + 1}: saved {path}", file=sys.stdout, flush=True)
 
     def _write(self, state: Any, path: str) -> None:
-        if self.trainer.is_chief:
-            atomic_torch_save(state, path)
+        if not self.trainer.is_chief:
+            return
+        if path.endswith(SAFETENSORS_SUFFIX):
+            atomic_save(state, path, _write_safetensors)
+        else:
+            atomic_save(state, path)
