@@ -118,7 +118,7 @@ def _corrupt_then_resume(strategy, root: str) -> dict:
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
     strategy.collectives.barrier(name="test.corrupted")
-    refused = re.escape("parameter '0.weight': saved (1024, 64), expected (512, 64)")
+    refused = re.escape("model: '0.weight': saved (1024, 64) float32, expected (512, 64) float32")
     with (
         pytest.warns(RuntimeWarning, match="ckpt-0000000009 is unusable"),
         pytest.raises(CheckpointMismatchError, match=refused),

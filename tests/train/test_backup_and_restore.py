@@ -222,7 +222,7 @@ def test_a_chief_that_cannot_write_the_backup_stops_every_rank_with_a_clear_erro
     )
     assert results[0].error and results[0].error.startswith(("FileExistsError", "NotADirectoryError"))
     assert results[1].error == (
-        f"SpreadError: the chief failed to write the backup of step 2 to {blocker / 'backup'} "
+        f"SpreadError: the chief failed to write the checkpoint of step 2 to {blocker / 'backup'} "
         "(its log says why); stopping so that no rank runs ahead of it"
     ), results[1].describe()
 
@@ -704,3 +704,65 @@ def test_s6_the_job_token_is_in_no_log_command_line_or_checkpoint(uninterrupted)
     cmdlines = json.loads(next(uninterrupted.report_dir.glob("cmdlines-0-0.json")).read_text())
     assert any("spread" in c for c in cmdlines) and any("chaos_train.py" in c for c in cmdlines)
     assert uninterrupted.token() not in uninterrupted.log
+
+
+# -- callbacks' state resumes with the Trainer's ------------------------------------------------------
+def _noisy_task() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable task with 30% label noise: validation loss improves for 12 epochs, then rises."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 3, generator=g)
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = torch.randn(n, 8, generator=g)
+        flip = torch.rand(n, generator=g) < 0.3
+        return xs, torch.where(flip, torch.randint(0, 3, (n,), generator=g), (xs @ w).argmax(1))
+
+    return make(96), make(64)
+
+
+class _CrashAfterEpoch(Callback):
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt(f"simulated preemption after epoch {epoch}")
+
+
+def _early_stopped_fit(root: Path, crash_after: int | None = None):
+    from spread.callbacks import EarlyStopping, ModelCheckpoint
+
+    train, validation = _noisy_task()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    stopping = EarlyStopping(patience=3, restore_best_weights=True)
+    callbacks = [
+        stopping,
+        ModelCheckpoint(root / "best.pt", save_best_only=True),
+        BackupAndRestore(str(root / "backup")),
+        *([_CrashAfterEpoch(crash_after)] if crash_after is not None else []),
+    ]
+    trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), callbacks=callbacks)
+    history = trainer.fit(train, epochs=40, global_batch_size=16, validation_data=validation, verbose=0)
+    return {k: v.clone() for k, v in model.state_dict().items()}, history.history, stopping
+
+
+def test_a_resumed_run_stops_early_and_keeps_the_best_file_as_the_uninterrupted_one(tmp_path):
+    """EarlyStopping's patience and best weights and ModelCheckpoint's best value are in the backup:
+    a run preempted while the monitored value is not improving resumes counting, stops at the same
+    epoch, restores the same weights and never overwrites best.pt with a worse model."""
+    weights, history, stopping = _early_stopped_fit(tmp_path / "ref")
+    assert (stopping.stopped_epoch, stopping.best_epoch) == (14, 11)  # the task as designed
+    best = torch.load(tmp_path / "ref" / "best.pt", weights_only=True)
+    with pytest.raises(KeyboardInterrupt):
+        _early_stopped_fit(tmp_path / "run", crash_after=12)  # waiting since epoch 11's best
+    resumed_weights, resumed_history, resumed_stopping = _early_stopped_fit(tmp_path / "run")
+    assert (resumed_stopping.stopped_epoch, resumed_stopping.best_epoch) == (14, 11)
+    assert resumed_history == history
+    for key, value in weights.items():
+        assert torch.equal(resumed_weights[key], value), key
+    resumed_best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    for key, value in best.items():
+        assert torch.equal(resumed_best[key], value), key

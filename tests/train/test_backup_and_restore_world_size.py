@@ -111,54 +111,13 @@ def test_parameter_servers_refuse_another_worker_count_naming_what_differs():
     assert "2 worker tasks' resume point" in text and "with 3 workers" in text
 
 
-SCRIPT = r"""
-import json, os, signal, sys
-import torch
-from torch import nn
-import spread
-from spread.train.callbacks import BackupAndRestore, Callback
-
-backup_dir, crash_at, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-if kind == "pipeline":  # 2 stages, as many pipeline replicas as pairs of processes
-    world = int(os.environ["WORLD_SIZE"])
-    strategy = spread.PipelineStrategy(stages=2, microbatches=2, replicas=world // 2)
-elif kind.startswith("sharded-"):  # each rank backs up its own shard; resharded at another size
-    strategy = spread.ShardedStrategy(shard=kind.removeprefix("sharded-"))
-else:
-    strategy = spread.MultiWorkerMirroredStrategy()
-
-class Kill(Callback):
-    def on_train_batch_end(self, step, logs=None):
-        if self.trainer.global_step == crash_at and strategy.rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-g = torch.Generator().manual_seed(1)
-x, y = torch.randn(100, 8, generator=g), torch.randint(0, 3, (100,), generator=g)
-with strategy.scope():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-backup = BackupAndRestore(backup_dir, save_freq=3)
-trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy,
-                         callbacks=[backup, Kill()])
-history = trainer.fit((x, y), epochs=3, global_batch_size=16, verbose=0)
-state = strategy.full_state_dict(model)  # collective under a pipeline
-if strategy.is_chief:
-    print("RESULT " + json.dumps({
-        "restored": backup.restored_step, "from": backup.resumed_from_replicas,
-        "world": strategy.num_replicas_in_sync,
-        "weights": {k: v.flatten().tolist() for k, v in state.items()},
-        "loss": history.history["loss"],
-    }), flush=True)
-"""
+SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 
 
 def _spread_run(
     tmp_path: Path, nproc: int, backup: Path, crash_at: int, kind: str = "mwms"
 ) -> tuple[int, str, dict | None]:
-    script = tmp_path / "elastic_train.py"
-    script.write_text(SCRIPT)
-    run = spread_run(script, nproc, str(backup), str(crash_at), kind)
+    run = spread_run(SCRIPT, nproc, str(backup), str(crash_at), kind)
     return run.returncode, run.log, run.result
 
 

@@ -72,15 +72,16 @@ def test_sigterm_backs_up_the_step_in_flight_and_the_resume_is_exact(tmp_path, n
 def test_sigterm_during_a_backup_lets_it_finish_and_writes_no_second_one(tmp_path):
     reference = _fit(spread.OneDeviceStrategy(), tmp_path / "ref")
     backup = BackupAndRestore(str(tmp_path / "run"), save_freq=5)
-    original_save = backup.manager.save
+    strategy = spread.OneDeviceStrategy()
+    original_save = strategy.save_checkpoint
 
-    def save_with_sigterm(step, state):
+    def save_with_sigterm(path, state, *, step, keep):
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the backup of step 5 is being written
-        return original_save(step, state)
+        return original_save(path, state, step=step, keep=keep)
 
-    backup.manager.save = save_with_sigterm
+    strategy.save_checkpoint = save_with_sigterm  # type: ignore[method-assign]
     with pytest.raises(TrainingPreempted) as info:
-        _fit(spread.OneDeviceStrategy(), tmp_path / "run", backup=backup)
+        _fit(strategy, tmp_path / "run", backup=backup)
     assert info.value.step == 5
     assert [p.name for p in (tmp_path / "run").glob("ckpt-*")] == ["ckpt-0000000005"]
     weights = _fit(spread.OneDeviceStrategy(), tmp_path / "run")

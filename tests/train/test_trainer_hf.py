@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 import spread
+from spread.errors import SpreadError
 from spread.testing import run_ps_job, run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -67,22 +68,40 @@ def test_gpt2_on_dict_batches_equals_one_device(strategy_class):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def _weights_after_fit(strategy: spread.Strategy) -> dict[str, torch.Tensor]:
+def _save_pretrained(strategy: spread.Strategy, model: torch.nn.Module, directory: str) -> str:
+    """What a script does after ``fit``: the chief calls ``save_pretrained``. It must write the trained
+    weights or raise naming the call to use; then that call (``full_state_dict``, on every rank)."""
+    outcome = "saved"
+    if strategy.is_chief:
+        try:
+            model.save_pretrained(f"{directory}/plain")
+        except SpreadError as exc:
+            outcome = str(exc)
+    weights = strategy.full_state_dict(model)  # collective where the model is split
+    if strategy.is_chief:
+        model.save_pretrained(f"{directory}/full", state_dict=weights)
+    return outcome
+
+
+def _weights_after_fit(strategy: spread.Strategy, directory: str) -> dict:
     try:
         _, model = _train(strategy, TokenBatches(10), _gpt2)
-        return {k: v.detach().clone() for k, v in strategy.full_state_dict(model).items()}
+        weights = {k: v.detach().clone() for k, v in strategy.full_state_dict(model).items()}
+        return {"weights": weights, "saved": _save_pretrained(strategy, model, directory)}
     finally:
         strategy.close()
 
 
-def _process_worker(strategy_name: str) -> dict[str, torch.Tensor]:
-    if strategy_name == "sharded":
-        return _weights_after_fit(spread.ShardedStrategy(shard="parameters"))
-    return _weights_after_fit(spread.MultiWorkerMirroredStrategy())
+def _process_worker(strategy_name: str, directory: str) -> dict:
+    if strategy_name.startswith("sharded-"):
+        return _weights_after_fit(
+            spread.ShardedStrategy(shard=strategy_name.removeprefix("sharded-")), directory
+        )
+    return _weights_after_fit(spread.MultiWorkerMirroredStrategy(), directory)
 
 
-def _ps_worker() -> dict[str, torch.Tensor]:
-    return _weights_after_fit(spread.ParameterServerStrategy(mode="sync"))
+def _ps_worker(directory: str) -> dict:
+    return _weights_after_fit(spread.ParameterServerStrategy(mode="sync"), directory)
 
 
 def _assert_same_weights(expected: torch.nn.Module, got: dict[str, torch.Tensor], who: str) -> None:
@@ -92,22 +111,54 @@ def _assert_same_weights(expected: torch.nn.Module, got: dict[str, torch.Tensor]
         )
 
 
-@pytest.mark.processes
-@pytest.mark.parametrize("strategy_name", ["multi_worker_mirrored", "sharded"])
-def test_gpt2_on_dict_batches_in_processes_equals_one_device(strategy_name):
-    """Two processes, GPT-2's own loss on dict batches, its tied embedding sharded at "parameters"."""
+def _assert_pretrained(expected: torch.nn.Module, directory, saved: str, who: str) -> None:
+    """``save_pretrained`` wrote the trained weights (loadable with ``from_pretrained``), or refused
+    naming ``full_state_dict``; the weights saved through ``full_state_dict`` load everywhere."""
+    folders = ["full"]
+    if saved == "saved":
+        folders.append("plain")
+    else:
+        assert "strategy.full_state_dict(model)" in saved, f"{who}: {saved}"
+    for folder in folders:
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(directory / folder)
+        _assert_same_weights(expected, loaded.state_dict(), f"{who}, save_pretrained ({folder})")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [spread.OneDeviceStrategy, lambda: spread.MirroredStrategy(num_replicas=2)],
+    ids=["one", "mirrored"],
+)
+def test_save_pretrained_after_fit_writes_the_trained_weights(tmp_path, make):
     _, one = _train(spread.OneDeviceStrategy(), TokenBatches(10), _gpt2)
-    for rank, weights in enumerate(run_ranks(_process_worker, 2, args=(strategy_name,), timeout=180)):
-        _assert_same_weights(one, weights, f"{strategy_name} rank {rank}")
+    result = _weights_after_fit(make(), str(tmp_path))
+    _assert_pretrained(one, tmp_path, result["saved"], "in process")
 
 
 @pytest.mark.processes
-def test_gpt2_on_dict_batches_under_sync_parameter_servers_equals_one_device():
+@pytest.mark.parametrize(
+    "strategy_name", ["multi_worker_mirrored", "sharded-optimizer", "sharded-gradients", "sharded-parameters"]
+)
+def test_gpt2_on_dict_batches_in_processes_equals_one_device(tmp_path, strategy_name):
+    """Two processes, GPT-2's own loss on dict batches, its tied embedding sharded; the chief's
+    ``save_pretrained`` after ``fit`` writes the trained weights or refuses (never zeros)."""
     _, one = _train(spread.OneDeviceStrategy(), TokenBatches(10), _gpt2)
-    results = run_ps_job(_ps_worker, 2, 1, timeout=240)
+    per_rank = run_ranks(_process_worker, 2, args=(strategy_name, str(tmp_path)), timeout=180)
+    for rank, result in enumerate(per_rank):
+        _assert_same_weights(one, result["weights"], f"{strategy_name} rank {rank}")
+    _assert_pretrained(one, tmp_path, per_rank[0]["saved"], strategy_name)
+    if strategy_name == "sharded-parameters":  # each rank holds 1/N between steps: refused
+        assert per_rank[0]["saved"] != "saved"
+
+
+@pytest.mark.processes
+def test_gpt2_on_dict_batches_under_sync_parameter_servers_equals_one_device(tmp_path):
+    _, one = _train(spread.OneDeviceStrategy(), TokenBatches(10), _gpt2)
+    results = run_ps_job(_ps_worker, 2, 1, args=(str(tmp_path),), timeout=240)
     assert all(r.ok for r in results), "\n".join(r.describe() for r in results if not r.ok)
     for worker in (0, 1):
-        _assert_same_weights(one, results[worker].value, f"parameter-server worker {worker}")
+        _assert_same_weights(one, results[worker].value["weights"], f"parameter-server worker {worker}")
+    _assert_pretrained(one, tmp_path, results[0].value["saved"], "parameter servers")
 
 
 def _async_ps_worker() -> list[float]:

@@ -147,6 +147,8 @@ class Trainer:
         self.train_dataset: DistributedDataset | None = None  # the running fit's training data
         self._resume: dict[str, Any] | None = None  # where a restored fit continues (load_state_dict)
         self._data_config: dict[str, Any] = {}  # the running fit's data order (seed, shuffle)
+        self._starting = False  # inside the callbacks' on_train_begin
+        self._pending_callback_states: dict[str, Any] | None = None  # restored, not yet given back
         self.history = History()
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         self._fit_callbacks: list[Callback] = []  # the running fit's callbacks, on this rank or not
@@ -385,8 +387,15 @@ class Trainer:
         validation_batch_size: int,
     ) -> History:
         """``fit``'s loop over epochs and steps (``fit`` prepares and cleans up around it)."""
-        cbs.call("on_train_begin", {})
-        cbs.call("on_train_restore")  # after every on_train_begin: nothing resets what is restored
+        self._starting = True  # BackupAndRestore restores in its on_train_begin
+        try:
+            cbs.call("on_train_begin", {})
+        finally:
+            self._starting = False
+        # Callbacks get their restored state after every on_train_begin (which starts them afresh).
+        pending, self._pending_callback_states = self._pending_callback_states, None
+        if pending:
+            self._load_callback_states(pending)
         resume, self._resume = self._resume, None
         logs: dict[str, float] = {}
         for epoch in range(resume["epoch"] if resume else initial_epoch, epochs):
@@ -524,9 +533,11 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` before a fit's first step (``BackupAndRestore`` does, from the
-        callbacks' ``on_train_restore``): the fit continues after the saved step. Refuses, before
-        changing anything, a state saved with another global batch size, optimizer or data seed."""
+        """Restore :meth:`state_dict` before a fit's first step (``BackupAndRestore`` does, in its
+        ``on_train_begin``): the fit continues after the saved step. Callbacks get their state back
+        once every callback's ``on_train_begin`` has run (which starts a callback afresh). Refuses,
+        before changing anything, a state saved with another global batch size, optimizer or data
+        seed."""
         problems = field_mismatches(state.get("config") or {}, self._resume_config())
         raise_if(problems, "the checkpoint", "Trainer configuration (an exact resume needs them unchanged)")
         self.global_step = int(state["global_step"])
@@ -537,7 +548,10 @@ class Trainer:
         if "grad_scaler" in state:
             self.precision.load_state_dict(state["grad_scaler"])
         rng.restore(state["rng"], self.strategy.rank)
-        self._load_callback_states(state.get("callbacks") or {})
+        if self._starting:  # given back once every callback's on_train_begin has run
+            self._pending_callback_states = dict(state.get("callbacks") or {})
+        else:
+            self._load_callback_states(state.get("callbacks") or {})
 
     def resume_at(self, global_step: int) -> None:
         """Continue the next fit after ``global_step`` optimizer steps without a saved Trainer state

@@ -82,11 +82,9 @@ class BackupAndRestore(Callback):
 
     # -- restore ---------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if self.save_on_preemption and self.trainer.strategy.steps_together:
-            self.preemption.start()
-
-    def on_train_restore(self) -> None:
         trainer = self.trainer
+        if self.save_on_preemption and trainer.strategy.steps_together:
+            self.preemption.start()
         restored = trainer.strategy.load_checkpoint(self.backup_dir, self._state())
         if restored is None:
             return

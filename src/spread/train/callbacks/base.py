@@ -51,11 +51,6 @@ class Callback:
         return trainer.is_chief or not self.chief_only
 
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
-    def on_train_restore(self) -> None:
-        """After every callback's ``on_train_begin`` and before the first step: where a callback
-        restores training state (:class:`~spread.callbacks.BackupAndRestore`), so that no other
-        callback's ``on_train_begin`` resets what was restored."""
-
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_fit_exit(self) -> None:
         """``fit`` is leaving, normally (after ``on_train_end``) or by an exception: release what
@@ -84,8 +79,8 @@ class Callback:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned: called on every rank that reads the backup
-        (whether this callback runs there or not), before the first step and before the model and
-        optimizer are restored (so a refusal changes no weight)."""
+        (whether this callback runs there or not), after every callback's ``on_train_begin`` (so a
+        callback that starts afresh there keeps what is restored) and before the first step."""
         if state:
             raise NotImplementedError(f"{type(self).__name__} saves state but does not load it")
 
