@@ -32,7 +32,7 @@ from spread.memory.measure import ActivationMeter
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
 from spread.strategies import checkpointing
 from spread.strategies.checkpointing import Restored, StateLayout
-from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
+from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.context import (
     ReplicaContext,
     _pop_scope,
@@ -206,13 +206,13 @@ class Strategy(abc.ABC):
         modules = _unique([sub for module in alive for sub in module.modules()])
         created_params = [p for module in modules for p in module.parameters(recurse=False)]
         created_buffers = [b for module in modules for b in module.buffers(recurse=False)]
-        self._adopt(created_params, created_buffers)
+        _adopt(self, created_params, created_buffers)
         self._on_new_modules(modules)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Manage a model built outside ``scope()``: move it to the device, sync it, hook its gradients."""
         model.to(self.device)
-        self._adopt(list(model.parameters()), list(model.buffers()))
+        _adopt(self, list(model.parameters()), list(model.buffers()))
         self._on_new_modules(list(model.modules()))
         return model
 
@@ -225,17 +225,6 @@ class Strategy(abc.ABC):
 
     def is_managed(self, model: nn.Module) -> bool:
         return all(id(p) in self._managed for p in model.parameters() if p.requires_grad)
-
-    def _adopt(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-        new_params = [p for p in _unique(params) if id(p) not in self._managed]
-        new_buffers = [b for b in _unique(buffers) if id(b) not in self._managed_buffers]
-        if not new_params and not new_buffers:
-            return
-        for p in new_params:
-            self._managed[id(p)] = p
-        for b in new_buffers:
-            self._managed_buffers[id(b)] = b
-        self._on_new_variables(new_params, new_buffers)
 
     @abc.abstractmethod
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
@@ -256,22 +245,6 @@ class Strategy(abc.ABC):
         cross-replica context. Returns fn's result: a :class:`PerReplica` when this process drives
         several replicas, else the value itself.
         """
-
-    def _run_as_replica(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict | None, replica: int, weight: float = 1.0
-    ) -> Any:
-        """``fn`` once in replica context as replica ``replica`` of this step (``weight``: its share
-        of the global batch); the step's batch sizes are forgotten afterwards. Nesting is refused."""
-        if get_replica_context() is not None:
-            raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
-        device = self._local_devices()[0]
-        args, kwargs = on_device(args, device), on_device(kwargs or {}, device)
-        _set_replica_context(ReplicaContext(self, replica, self.num_replicas_in_sync, weight))
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _set_replica_context(None)
-            self._step_info = None
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine a per-replica value over all replicas (``"sum"`` or ``"mean"``); the same on every
@@ -357,14 +330,6 @@ class Strategy(abc.ABC):
     def _set_step_info(self, info: StepInfo) -> None:
         self._step_info = info
 
-    def _replica_weights(self) -> list[float]:
-        """Each local replica's share of the current global batch (1/replicas when unknown)."""
-        info = self._step_info
-        n = self._layout.num_local_replicas
-        if info is None or info.global_size <= 0:
-            return [1.0 / self.num_replicas_in_sync] * n
-        return [size / info.global_size for size in info.local_sizes]
-
     # -- what the layers above rely on (defaults fit a data-parallel strategy) ----------------------
     @property
     def rank(self) -> int:
@@ -390,37 +355,24 @@ class Strategy(abc.ABC):
         return self.reduce("sum", stats)
 
     # -- gradients between backward and the optimizer step (Trainer's clipping, loss scaling) ------
-    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
-        """L2 norm of the whole model's reduced gradient over ``params``: what one device's
-        ``torch.nn.utils.clip_grad_norm_`` computes on the global batch. A 0-dim float32 tensor, the
-        same on every rank. Call after :meth:`run` (or :meth:`run_training_step`) returned, before
-        ``optimizer.step()``; collective wherever a strategy overrides it.
-
-        Default: this process's ``.grad`` hold the whole model's reduced gradient (data parallelism:
-        after ``run`` every replica holds the same sum), so its own norm. A strategy whose process
-        holds part of the gradient (a pipeline stage) sums the parts' squared norms over the processes
-        that hold the rest.
-        """
-        return local_norm(params, self.device)
-
     def clip_gradients(
         self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
     ) -> torch.Tensor:
         """Clip the reduced gradient as one device would: by global norm (``clip_grad_norm_``'s
         coefficient ``min(1, max_norm / (norm + 1e-6))``), then each element to ``[-max_value,
-        max_value]`` (``clip_grad_value_``). Returns the global norm *before* clipping (see
-        :meth:`global_grad_norm`; the same on every rank), non-finite when some gradient is. When to
-        call: as :meth:`global_grad_norm`, every rank alike.
+        max_value]`` (``clip_grad_value_``). Returns the L2 norm of the whole model's reduced gradient
+        over ``params`` *before* clipping (what one device's ``clip_grad_norm_`` computes on the
+        global batch; a 0-dim float32 tensor, the same on every rank, non-finite when some gradient
+        is); with neither limit it only measures it. Call after :meth:`run` (or
+        :meth:`run_training_step`) returned, before ``optimizer.step()``, on every rank alike:
+        collective wherever a strategy overrides it.
 
-        Default: :meth:`global_grad_norm`, then scale and clamp this process's ``.grad``. A strategy
-        whose reduced gradient is not on the training processes overrides it (or refuses it).
+        Default: this process's ``.grad`` hold the whole model's reduced gradient (data parallelism:
+        after ``run`` every replica holds the same sum), so its own norm, then scale and clamp them.
+        A strategy whose process holds part of the gradient (a pipeline stage, a shard) sums the
+        parts' squared norms over the processes that hold the rest.
         """
-        norm = self.global_grad_norm(params)
-        if max_norm is not None:
-            scale_by_norm(params, max_norm, norm)
-        if max_value is not None:
-            clamp_values(params, max_value)
-        return norm
+        return clip_by_norm(params, local_norm(params, self.device), max_norm, max_value)
 
     def check_precision(self, precision: str) -> None:
         """Raise ``ValueError`` naming the reason where this strategy cannot train in ``precision``
@@ -434,24 +386,20 @@ class Strategy(abc.ABC):
         in a single process."""
         return self.gather(value) if self.num_replicas_in_sync > 1 else value
 
-    @property
-    def holds_current_weights(self) -> bool:
-        """Whether this process's model holds every variable's current value after each step (what
-        a weight average such as ``spread.callbacks.EMA`` reads). False where the model is a partial
-        cache of variables held elsewhere."""
-        return True
-
     def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """``model.state_dict()`` as this process holds it, sharing the model's storage: for
-        bookkeeping done in place on every rank (a weight average, a shape check), never for saving
-        (:meth:`full_state_dict` is that). Default: the model's own. Pipeline: every rank's copy, its
-        other stages' layers included (out of date there; ``model.state_dict()`` itself refuses)."""
+        """``model.state_dict()`` as this process holds it, sharing the model's storage, current after
+        every step: for bookkeeping done in place on every rank (a weight average such as
+        ``spread.callbacks.EMA``), never for saving (:meth:`full_state_dict` is that). Raises
+        :class:`~spread.errors.SpreadError` naming why where this process's model does not hold every
+        variable's current value (parameter servers: a cache of their variables; ShardedStrategy at
+        ``"parameters"``: 1/N of each between steps). Pipeline: every rank's copy, its other stages'
+        layers included (out of date there; ``model.state_dict()`` itself refuses)."""
         return model.state_dict()
 
     def refresh_weights(self) -> None:
         """Make this process's model hold the current value of every variable (before evaluating
-        what training produced elsewhere). Default: nothing, the model is current
-        (:attr:`holds_current_weights`). ParameterServer: pull from the servers."""
+        what training produced elsewhere). Default: nothing, the model is current. ParameterServer:
+        pull from the servers."""
         return None
 
     # -- training state: the one seam every save, load, resume and export goes through --------------
@@ -586,6 +534,53 @@ class Strategy(abc.ABC):
         return (
             f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
         )
+
+
+def _adopt(strategy: Strategy, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+    """Manage the variables ``strategy`` does not manage yet, then let it sync and hook them."""
+    new_params = [p for p in _unique(params) if id(p) not in strategy._managed]
+    new_buffers = [b for b in _unique(buffers) if id(b) not in strategy._managed_buffers]
+    if not new_params and not new_buffers:
+        return
+    for p in new_params:
+        strategy._managed[id(p)] = p
+    for b in new_buffers:
+        strategy._managed_buffers[id(b)] = b
+    strategy._on_new_variables(new_params, new_buffers)
+
+
+def run_as_replica(
+    strategy: Strategy,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict | None,
+    replica: int,
+    weight: float = 1.0,
+) -> Any:
+    """``fn`` once in replica context as replica ``replica`` of this step (``weight``: its share of the
+    global batch), on the strategy's first local device; the step's batch sizes are forgotten
+    afterwards. Nesting is refused. (Strategies driving one replica per process implement ``run``
+    with it.)"""
+    if get_replica_context() is not None:
+        raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
+    device = strategy._local_devices()[0]
+    args, kwargs = on_device(args, device), on_device(kwargs or {}, device)
+    _set_replica_context(ReplicaContext(strategy, replica, strategy.num_replicas_in_sync, weight))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _set_replica_context(None)
+        strategy._step_info = None
+
+
+def replica_weights(strategy: Strategy) -> list[float]:
+    """Each of this process's replicas' share of the current global batch (1/replicas when the step's
+    sizes are unknown): the weight of its mean loss's gradient in the exchange."""
+    info = strategy._step_info
+    n = strategy._layout.num_local_replicas
+    if info is None or info.global_size <= 0:
+        return [1.0 / strategy.num_replicas_in_sync] * n
+    return [size / info.global_size for size in info.local_sizes]
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 
 The global norm of a model whose gradient is spread over processes (pipeline stages) is the square
 root of the summed squared norms of the parts; each strategy sums the parts over whatever holds them
-(:meth:`spread.strategies.Strategy.global_grad_norm`). The arithmetic here is torch's
+(:meth:`spread.strategies.Strategy.clip_gradients`). The arithmetic here is torch's
 (``torch.nn.utils.get_total_norm`` and ``clip_grads_with_norm_``: coefficient
 ``max_norm / (norm + 1e-6)``, at most 1), so one device's result equals ``clip_grad_norm_``'s. Sparse
 gradients (``nn.Embedding(sparse=True)``), which torch's functions refuse, count by their values.
@@ -10,7 +10,7 @@ gradients (``nn.Embedding(sparse=True)``), which torch's functions refuse, count
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -67,3 +67,15 @@ def clamp_values(params: Iterable[nn.Parameter], max_value: float) -> None:
             )
         else:
             p.grad.clamp_(-max_value, max_value)
+
+
+def clip_by_norm(
+    params: Sequence[nn.Parameter], norm: torch.Tensor, max_norm: float | None, max_value: float | None
+) -> torch.Tensor:
+    """Scale ``params``' gradients by ``norm`` (their whole model's global norm) to ``max_norm``, then
+    clamp each element to ``max_value`` (each where given); returns ``norm``."""
+    if max_norm is not None:
+        scale_by_norm(params, max_norm, norm)
+    if max_value is not None:
+        clamp_values(params, max_value)
+    return norm

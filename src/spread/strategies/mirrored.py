@@ -49,7 +49,7 @@ from spread.comm.in_process import hierarchical_copy, reduce_to_one
 from spread.data import ReplicaLayout
 from spread.errors import SpreadError
 from spread.strategies import thread_state
-from spread.strategies.base import Strategy
+from spread.strategies.base import Strategy, replica_weights
 from spread.strategies.batchnorm import BatchNormReplicas, ReplicaExchangeAborted, ThreadReplicaSum
 from spread.strategies.context import ReplicaContext, _set_replica_context, get_replica_context
 from spread.strategies.one_device import default_device
@@ -194,7 +194,7 @@ class MirroredStrategy(Strategy):
             raise SpreadError("strategy.run was called inside strategy.run; call it from the training loop")
         kwargs = kwargs or {}
         n = self.num_replicas_in_sync
-        weights = self._replica_weights()
+        weights = replica_weights(self)
         self._step_info = None
 
         thread_sum = self._thread_sum

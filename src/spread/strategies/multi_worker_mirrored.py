@@ -41,7 +41,7 @@ from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.ops import destroy_group
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
-from spread.strategies.base import Strategy, one_replica_tensor
+from spread.strategies.base import Strategy, one_replica_tensor, replica_weights, run_as_replica
 from spread.strategies.batchnorm import BatchNormReplicas
 from spread.strategies.process_group import join_process_group, local_device
 
@@ -220,20 +220,20 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _set_step_info(self, info: StepInfo) -> None:
         super()._set_step_info(info)
         if self._reducer is not None:
-            self._reducer.grad_scale = self._replica_weights()[0]
+            self._reducer.grad_scale = replica_weights(self)[0]
 
     # -- computation -------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        weight = self._replica_weights()[0]
+        weight = replica_weights(self)[0]
         if self._reducer is not None:
             self._reducer.grad_scale = weight
         self._buffer_weight = weight
         if self._reducer is None or not self._reducer.overlaps_backward:
-            return self._run_as_replica(fn, args, kwargs, self.rank, weight)
+            return run_as_replica(self, fn, args, kwargs, self.rank, weight)
         # A model compiled here (at its first call) is cut at bucket boundaries, so the exchange of
         # its last layers' gradients overlaps the rest of its backward (spread.comm.compiled).
         with bucket_graph_breaks(int(self.bucket_cap_mb * 2**20)):
-            return self._run_as_replica(fn, args, kwargs, self.rank, weight)
+            return run_as_replica(self, fn, args, kwargs, self.rank, weight)
 
     def _sum_over_replicas(self, value: Any) -> tuple[torch.Tensor, int]:
         tensor = one_replica_tensor(value, self.device).detach().clone()

@@ -70,7 +70,7 @@ from spread.ps.server import serve
 from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
 from spread.strategies import checkpointing
-from spread.strategies.base import Strategy, one_replica_tensor
+from spread.strategies.base import Strategy, one_replica_tensor, replica_weights, run_as_replica
 from spread.strategies.checkpointing import Restored, StateLayout
 from spread.strategies.process_group import local_device
 
@@ -212,11 +212,13 @@ class ParameterServerStrategy(Strategy):
         world, rank = self.cluster.world_size, self.cluster.rank
         return ReplicaLayout(world, rank, 1, process_index=rank, num_processes=world)
 
-    @property
-    def holds_current_weights(self) -> bool:
-        """False: the variables live on the servers; embedding tables hold only the rows pulled for
-        recent batches, and async tasks see each other's updates only when they pull."""
-        return False
+    def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Refused: the variables live on the servers; a task's embedding tables hold only the rows
+        pulled for recent batches, and async tasks see each other's updates only when they pull."""
+        raise SpreadError(
+            "under ParameterServerStrategy a task's model is a cache of the servers' variables, not "
+            "their current values: use strategy.full_state_dict(model) for the servers' weights"
+        )
 
     def refresh_weights(self) -> None:
         """Pull every variable, embedding tables whole: a task's copy of a table holds only the rows
@@ -391,15 +393,9 @@ class ParameterServerStrategy(Strategy):
     # -- computation -------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Run ``fn`` (forward and backward) on this worker's batch; call ``optimizer.step()`` after."""
-        self._weight = self._replica_weights()[0] if self.mode == "sync" else 1.0
+        self._weight = replica_weights(self)[0] if self.mode == "sync" else 1.0
         replica = max(self.rank, 0) if self.mode == "sync" else 0
-        return self._run_as_replica(fn, args, kwargs, replica, self._weight)
-
-    def _replica_weights(self) -> list[float]:
-        info = self._step_info
-        if info is None or info.global_size <= 0:
-            return [1.0 / self.num_workers]
-        return [size / info.global_size for size in info.local_sizes]
+        return run_as_replica(self, fn, args, kwargs, replica, self._weight)
 
     # -- gradients between backward and the push ----------------------------------------------------
     def clip_gradients(

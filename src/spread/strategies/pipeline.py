@@ -98,9 +98,9 @@ from spread.pipeline.graph_split import GraphStage, check_split_points
 from spread.pipeline.ownership import StaleStateGuard, TiedGradients, first_owned
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
-from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor
+from spread.strategies.base import Strategy, TrainingProgram, one_replica_tensor, run_as_replica
 from spread.strategies.checkpointing import StateLayout
-from spread.strategies.clipping import local_norm
+from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.context import get_replica_context
 from spread.strategies.multi_worker_mirrored import CollectivesDataChannel
 from spread.strategies.process_group import join_process_group, local_device
@@ -556,17 +556,20 @@ class PipelineStrategy(Strategy):
         return stats
 
     # -- gradients ---------------------------------------------------------------------------------
-    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+    def clip_gradients(
+        self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
+    ) -> torch.Tensor:
         """Each stage holds its own layers' gradients only (the others' ``.grad`` stay empty or
         zero): the squared norms are summed over the stages of this pipeline replica (one small
         all-reduce; after the hybrid exchange a stage's replicas hold the same gradient). A parameter
-        several stages use holds the same summed gradient on each: only the first of them counts it."""
+        several stages use holds the same summed gradient on each: only the first of them counts it.
+        Each stage then clips its own gradients by that norm."""
         skip = self._tied.counted_elsewhere if self._tied is not None else set()
         counted = [p for p in params if id(p) not in skip]  # a tied parameter counts once
         squared = local_norm(counted, self._device).to(torch.float64).square().reshape(1)
         with self._guard("the gradient-norm all-reduce"):
             self.pipeline_collectives.all_reduce(squared, name="grad_norm")
-        return squared.sqrt().to(torch.float32).reshape(())
+        return clip_by_norm(params, squared.sqrt().to(torch.float32).reshape(()), max_norm, max_value)
 
     def check_precision(self, precision: str) -> None:
         if precision == "fp16":
@@ -629,7 +632,7 @@ class PipelineStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Call ``fn`` once in replica context (no gradient exchange: training goes through
         :meth:`train_step` or ``Trainer``). Inside, ``model(x)`` under no_grad runs the pipeline."""
-        return self._run_as_replica(fn, args, kwargs, self.replica)
+        return run_as_replica(self, fn, args, kwargs, self.replica)
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine over the data-parallel replicas. ``value`` must be the same on every stage of a

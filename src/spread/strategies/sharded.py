@@ -73,8 +73,9 @@ from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
 from spread.errors import SpreadError
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.strategies.base import replica_weights
 from spread.strategies.checkpointing import StateLayout
-from spread.strategies.clipping import clamp_values, local_norm, scale_by_norm
+from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
 from spread.strategies.sharded_state import ShardedLayout
@@ -303,10 +304,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     def _set_step_info(self, info: StepInfo) -> None:
         super()._set_step_info(info)
-        self._grad_scale = self._replica_weights()[0]
+        self._grad_scale = replica_weights(self)[0]
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        self._grad_scale = self._replica_weights()[0]
+        self._grad_scale = replica_weights(self)[0]
         return super().run(fn, args, kwargs)
 
     def _shards_of(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
@@ -325,23 +326,16 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 )
         return list(out.values())
 
-    def global_grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
-        """The norm over every rank's shards: squared shard norms summed over ranks (collective)."""
-        local = local_norm(self._shards_of(params), self.device).double()
-        squares = local * local
-        self.collectives.all_reduce(squares, name="sharded.grad_norm")
-        return squares.sqrt().float()
-
     def clip_gradients(
         self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
     ) -> torch.Tensor:
+        """The norm over every rank's shards (squared shard norms summed over ranks, collective);
+        each rank clips its shards' gradients by it. Takes model parameters or shards."""
         shards = self._shards_of(params)
-        norm = self.global_grad_norm(shards)
-        if max_norm is not None:
-            scale_by_norm(shards, max_norm, norm)
-        if max_value is not None:
-            clamp_values(shards, max_value)
-        return norm
+        local = local_norm(shards, self.device).double()
+        squares = local * local
+        self.collectives.all_reduce(squares, name="sharded.grad_norm")
+        return clip_by_norm(shards, squares.sqrt().float(), max_norm, max_value)
 
     def check_precision(self, precision: str) -> None:
         if precision == "fp16":
@@ -408,9 +402,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self._buffers.sync(self._buffer_weight)
 
     # -- state: the seam's layout (spread.strategies.sharded_state) -------------------------------
-    @property
-    def holds_current_weights(self) -> bool:
-        return self.shard != "parameters"
+    def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Refused at ``"parameters"``, where each rank keeps 1/N of every parameter between steps."""
+        if self.shard == "parameters":
+            raise SpreadError(
+                "under ShardedStrategy(shard='parameters') each rank keeps 1/N of every parameter "
+                "between steps: use strategy.full_state_dict(model) (collective) for the weights"
+            )
+        return model.state_dict()
 
     @contextmanager
     def unsharded(self) -> Iterator[None]:

@@ -154,9 +154,8 @@ def test_bad_decay(decay):
 
 def test_refused_where_the_model_is_not_the_current_weights():
     class Cached(spread.OneDeviceStrategy):
-        @property
-        def holds_current_weights(self) -> bool:
-            return False
+        def local_state_dict(self, model):
+            raise SpreadError("the model is a cache of variables held elsewhere")
 
     trainer = _trainer(_model(), [EMA()], strategy=Cached("cpu"))
     with pytest.raises(SpreadError, match="EMA needs the current weights in every process"):

@@ -14,7 +14,8 @@ Under every data-parallel strategy the weights are the same on every rank after 
 are kept in sync), so each rank keeps the same average without communicating. Under a pipeline each
 rank's average is current for its own stage's layers, which is what its stage evaluates with; its
 backup state is gathered to the one-device layout through ``strategy.full_state_dict``. Parameter
-servers are refused (``Strategy.holds_current_weights``): a task's model is a partial cache.
+servers and ShardedStrategy at ``"parameters"`` are refused (``Strategy.local_state_dict`` raises
+there): a task's model is a cache, a sharded rank's holds 1/N of each parameter.
 
 ``BackupAndRestore`` saves the average with every backup (:meth:`EMA.state_dict`) and restores it
 before the first step, so a resumed run continues the average exactly.
@@ -70,12 +71,10 @@ class EMA(Callback):
         }
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        strategy = self.trainer.strategy
-        if not strategy.holds_current_weights:
-            raise SpreadError(
-                f"EMA needs the current weights in every process; under {type(strategy).__name__} "
-                "the model is a partial cache of variables held elsewhere"
-            )
+        try:
+            self._live()
+        except SpreadError as exc:  # the strategy's model is not the current weights on every rank
+            raise SpreadError(f"EMA needs the current weights in every process: {exc}") from None
 
     def on_train_batch_begin(self, step: int, logs: Logs | None = None) -> None:
         if self.shadow is None:  # the weights before the first step (after any restore)
