@@ -43,7 +43,7 @@ def _one_step(strategy: spread.Strategy) -> tuple[list[int], dict]:
     optimizer.step()
     report = strategy.memory_report(optimizer)
     sizes = [report.parameter_bytes, report.gradient_bytes, report.optimizer_state_bytes]
-    return [*sizes, report.model_state_bytes, report.activation_bytes], strategy.model_state_dict(model)
+    return [*sizes, report.model_state_bytes, report.activation_bytes], strategy.full_state_dict(model)
 
 
 def _predicted_activations(nprocs: int) -> float:

@@ -86,7 +86,7 @@ def _spread_config(workload: str, strategy: spread.ShardedStrategy) -> tuple[_Co
             report.model_state_bytes,
         ]
 
-    return _Config("spread Sharded", step), memory, lambda: strategy.model_state_dict(model)
+    return _Config("spread Sharded", step), memory, lambda: strategy.full_state_dict(model)
 
 
 def _fsdp2_config(workload: str) -> tuple[_Config, Callable, Callable]:

@@ -5,7 +5,7 @@
     spread run -n 3 examples/pipeline.py --stages 3 --schedule gpipe
 
 Each rank builds the whole nn.Sequential; PipelineStrategy keeps only its stage's layers busy. At the
-end every rank takes part in gather_state_dict (a collective) and the chief saves the full model's
+end every rank takes part in full_state_dict (a collective) and the chief saves the full model's
 state_dict, which loads into a plain one-process model (checked below).
 """
 
@@ -64,7 +64,7 @@ def main() -> None:
     trainer.fit(train, epochs=args.epochs, global_batch_size=args.batch_size, verbose=args.verbose)
     result = trainer.evaluate(val)  # runs through the pipeline; the same numbers on every rank
 
-    state = strategy.gather_state_dict(model)  # collective: every rank calls it
+    state = strategy.full_state_dict(model)  # collective: every rank calls it
     if strategy.is_chief:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "model.pt")

@@ -133,29 +133,42 @@ def test_factor_lookup_and_optimizer_time_by_hand():
     assert profile.in_process_factor(3) == 1.2
 
 
-def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds():
-    import time
+def test_paired_slowdown_compares_with_the_alone_step_of_the_same_rounds(monkeypatch):
+    import threading
+    from types import SimpleNamespace
 
+    from spread.plan import concurrency
     from spread.plan.concurrency import paired_slowdowns
 
+    # Each thread's own clock, moved only by the steps: the arithmetic is checked, not this machine's
+    # scheduler (a busy machine stretched real sleeps past any tolerance).
+    clock = threading.local()
+
+    def now() -> float:
+        return getattr(clock, "t", 0.0)
+
+    def spend(seconds: float) -> None:
+        clock.t = now() + seconds
+
+    monkeypatch.setattr(concurrency, "time", SimpleNamespace(perf_counter=now))
     calls = {"alone": 0, "together": 0}
 
     def alone() -> None:
         calls["alone"] += 1
-        time.sleep(0.02)
+        spend(0.02)
 
     def together() -> None:
         calls["together"] += 1
-        time.sleep(0.06)  # sleeping threads overlap: each takes 3x the alone step
+        spend(0.06)  # each of the steps run at once takes 3x the alone step
 
     threads = {"threads": 1, "processes": False}
     assert paired_slowdowns(alone, [together, together], repeats=3, cores=2, **threads).each == pytest.approx(
-        3.0, rel=0.3
+        3.0
     )
     assert calls == {"alone": 1 + 3, "together": 2 * (1 + 3)}  # one warm-up each, then one per round
     # four at once on two cores: half of the 3x is time-slicing, not contention
     four = paired_slowdowns(alone, [together] * 4, repeats=2, cores=2, **threads).each
-    assert four == pytest.approx(1.5, rel=0.3)
+    assert four == pytest.approx(1.5)
     faster_together = paired_slowdowns(together, [alone, alone], repeats=2, cores=2, **threads)
     assert faster_together.each == 1.0  # never below one
 

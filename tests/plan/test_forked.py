@@ -33,9 +33,10 @@ def test_each_round_times_the_alone_step_then_the_others_at_once():
         time.sleep(0.03)
 
     alone_times, rounds = forked_rounds(alone, [together, together, together], repeats=3)
-    assert len(alone_times) == 3 and all(0.009 < t < 0.5 for t in alone_times)
+    # Lower bounds only: a sleep lasts at least its time; a busy machine may stretch it any amount.
+    assert len(alone_times) == 3 and all(t > 0.009 for t in alone_times)
     assert len(rounds) == 3 and all(len(r) == 3 for r in rounds)
-    assert all(0.029 < t < 0.5 for r in rounds for t in r)
+    assert all(t > 0.029 for r in rounds for t in r)
     assert _children() == before  # every child killed and reaped
 
 
@@ -77,7 +78,9 @@ def test_busy_processes_compute_while_the_block_runs_and_are_reaped_after_it():
         assert started == 2
         busy = [psutil.Process(pid) for pid in _children() - before]
         assert len(busy) == 2
-        time.sleep(0.3)
+        deadline = time.monotonic() + 120  # on a busy machine they may wait long for a core
+        while not all(sum(p.cpu_times()[:2]) > 0.05 for p in busy) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert all(sum(p.cpu_times()[:2]) > 0.05 for p in busy)  # they compute, not sleep
     assert _children() == before
 

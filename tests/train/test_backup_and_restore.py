@@ -233,7 +233,7 @@ def _backup_once(backup_dir) -> None:
         _fit(backup_dir, extra=[_Interrupt(4)], save_freq=2)
 
 
-def _restore_into(backup_dir, model, optimizer, strategy, batch=BATCH):
+def _restore_into(backup_dir, model, optimizer, strategy, batch=BATCH, seed=0):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
     trainer = spread.Trainer(
@@ -243,7 +243,21 @@ def _restore_into(backup_dir, model, optimizer, strategy, batch=BATCH):
         strategy=strategy,
         callbacks=[BackupAndRestore(str(backup_dir))],
     )
-    trainer.fit((x, y), epochs=EPOCHS, global_batch_size=batch, verbose=0)
+    trainer.fit((x, y), epochs=EPOCHS, global_batch_size=batch, seed=seed, verbose=0)
+
+
+def test_a_backup_resumed_with_another_data_seed_is_refused(tmp_path):
+    """fit(seed=5) on a backup of fit(seed=0) would reshuffle the rest of the epoch: samples
+    repeated or skipped, silently. Refused, as another batch size is."""
+    _backup_once(tmp_path)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    with pytest.raises(CheckpointMismatchError) as info:
+        _restore_into(tmp_path, model, optimizer, "one_device", seed=5)
+    assert info.value.problems == ["seed: saved 0, now 5"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def test_c6_a_backup_restored_into_another_model_lists_every_mismatched_key(tmp_path):
