@@ -306,6 +306,33 @@ def test_a_resumed_fit_with_gpu_dropout_equals_the_uninterrupted_one(tmp_path):
         assert torch.equal(resumed[k], v), k
 
 
+def test_a_checkpoint_saved_on_the_gpu_loads_on_the_cpu_and_back(tmp_path):
+    """The state seam on a GPU: a custom loop's checkpoint (model, optimizer, a value) written from
+    CUDA tensors loads into a CPU model and optimizer, and into another GPU model, in place."""
+    gpu = spread.OneDeviceStrategy("cuda")
+    with gpu.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _data()
+    gpu.run(lambda: nn.functional.cross_entropy(model(x.cuda()), y.cuda()).backward())
+    optimizer.step()
+    gpu.save_checkpoint(tmp_path, {"model": model, "optimizer": optimizer, "step": 1}, step=1)
+    weights = {k: v.cpu() for k, v in gpu.full_state_dict(model).items()}
+    for strategy in (spread.OneDeviceStrategy("cpu"), spread.OneDeviceStrategy("cuda")):
+        with strategy.scope():
+            torch.manual_seed(1)
+            other = Net()
+            other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        state = {"model": other, "optimizer": other_optimizer, "step": 0}
+        restored = strategy.load_checkpoint(tmp_path, state)
+        assert restored is not None and state["step"] == 1
+        for k, v in other.state_dict().items():
+            assert v.device.type == strategy.device.type and torch.equal(v.cpu(), weights[k]), k
+        moments = other_optimizer.state_dict()["state"][0]["exp_avg"]
+        assert moments.device.type == strategy.device.type
+
+
 # --- process strategies: one rank (NCCL refuses two ranks on one GPU) ---
 
 

@@ -210,7 +210,11 @@ class Strategy(abc.ABC):
         self._on_new_modules(modules)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Manage a model built outside ``scope()``: move it to the device, sync it, hook its gradients."""
+        """Manage a model built outside ``scope()``: move it to the device, sync it, hook its gradients.
+        Returns ``model``; a model already managed (built in the scope, or prepared) is left as it is."""
+        params = list(model.parameters())
+        if params and all(id(p) in self._managed for p in params):
+            return model
         model.to(self.device)
         _adopt(self, list(model.parameters()), list(model.buffers()))
         self._on_new_modules(list(model.modules()))
@@ -222,9 +226,6 @@ class Strategy(abc.ABC):
         some layers run (BatchNorm across thread replicas, ``sync_batchnorm``, sharded parameters)
         take them here. Default: nothing."""
         return
-
-    def is_managed(self, model: nn.Module) -> bool:
-        return all(id(p) in self._managed for p in model.parameters() if p.requires_grad)
 
     @abc.abstractmethod
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
@@ -303,23 +304,19 @@ class Strategy(abc.ABC):
             on_step=self._set_step_info,
             channel=self._data_channel(),
         )
-        self._check_data(distributed)
-        return distributed
-
-    def _check_data(self, data: DistributedDataset) -> None:
-        """Refuse, up front, data this strategy cannot read correctly (never a hang, never a silent
-        second reading). Default: a stream that every process would read in full (several processes,
-        no :meth:`_data_channel` to dispatch it)."""
-        if data.read_in_full_by_every_process:
+        # Refused up front: a stream every process would read in full (several processes, no
+        # data channel to dispatch it): never a hang, never a silent second reading.
+        if distributed.read_in_full_by_every_process:
             raise SpreadError(
                 f"{type(self).__name__} cannot hand a stream on between its "
-                f"{data.layout.num_processes} data-reading processes, so this "
-                f"{type(data.dataset).__name__} (an iterable without shard(num_shards, index)) "
+                f"{distributed.layout.num_processes} data-reading processes, so this "
+                f"{type(distributed.dataset).__name__} (an iterable without shard(num_shards, index)) "
                 f"would be read in full by every one of them: give it a shard(num_shards, index) "
                 f"method (each process then reads only its own files), pass a map-style dataset "
                 f"(each process loads only its slice), or use shard_policy='off' when each process's "
                 f"stream already holds only its own samples"
             )
+        return distributed
 
     def _data_channel(self) -> DataChannel | None:
         """How the processes reading data agree on steps and pass a stream on (see
@@ -470,14 +467,7 @@ class Strategy(abc.ABC):
         """Bytes of model state this process holds now: managed parameters, their gradients and the
         gradient exchange's buffers, and ``optimizer``'s state (each storage counted once); with
         ``activation_bytes`` from the last :meth:`measure_activations` window."""
-        seen: set[int] = set()
-        params = self.managed_parameters
-        return MemoryReport(
-            parameter_bytes=storage_bytes(params, seen),
-            gradient_bytes=storage_bytes([*(p.grad for p in params), *self._exchange_buffers()], seen),
-            optimizer_state_bytes=storage_bytes(optimizer_state_tensors(optimizer), seen),
-            activation_bytes=self._activation_bytes,
-        )
+        return model_state_report(self, optimizer)
 
     @contextmanager
     def measure_activations(self) -> Iterator[ActivationMeter]:
@@ -510,10 +500,6 @@ class Strategy(abc.ABC):
             self._measuring_activations = False
         self._activation_bytes = meter.peak_bytes
 
-    def _exchange_buffers(self) -> list[torch.Tensor]:
-        """Buffers the gradient exchange keeps between steps (for :meth:`memory_report`)."""
-        return []
-
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Release hooks, threads and process groups this strategy created. Idempotent.
@@ -534,6 +520,21 @@ class Strategy(abc.ABC):
         return (
             f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
         )
+
+
+def model_state_report(
+    strategy: Strategy, optimizer: torch.optim.Optimizer | None, exchange_buffers: Sequence[torch.Tensor] = ()
+) -> MemoryReport:
+    """:meth:`Strategy.memory_report` of a strategy whose gradient exchange keeps ``exchange_buffers``
+    between steps (MultiWorkerMirrored: its buckets)."""
+    seen: set[int] = set()
+    params = strategy.managed_parameters
+    return MemoryReport(
+        parameter_bytes=storage_bytes(params, seen),
+        gradient_bytes=storage_bytes([*(p.grad for p in params), *exchange_buffers], seen),
+        optimizer_state_bytes=storage_bytes(optimizer_state_tensors(optimizer), seen),
+        activation_bytes=strategy._activation_bytes,
+    )
 
 
 def _adopt(strategy: Strategy, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:

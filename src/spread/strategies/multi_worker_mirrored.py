@@ -41,7 +41,14 @@ from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.ops import destroy_group
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
-from spread.strategies.base import Strategy, one_replica_tensor, replica_weights, run_as_replica
+from spread.memory.report import MemoryReport
+from spread.strategies.base import (
+    Strategy,
+    model_state_report,
+    one_replica_tensor,
+    replica_weights,
+    run_as_replica,
+)
 from spread.strategies.batchnorm import BatchNormReplicas
 from spread.strategies.process_group import join_process_group, local_device
 
@@ -211,11 +218,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         with self._reducer.no_sync():
             yield
 
-    def _exchange_buffers(self) -> list[torch.Tensor]:
-        if self._reducer is None:
-            return []
-        buckets = self._reducer.buckets
-        return [t for b in buckets for t in (b.buffer, b.wire) if t is not None]
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """As :meth:`Strategy.memory_report`, with the gradient buckets the reducer keeps between steps."""
+        buckets = self._reducer.buckets if self._reducer is not None else []
+        exchange = [t for b in buckets for t in (b.buffer, b.wire) if t is not None]
+        return model_state_report(self, optimizer, exchange)
 
     def _set_step_info(self, info: StepInfo) -> None:
         super()._set_step_info(info)

@@ -312,9 +312,6 @@ class PipelineStrategy(Strategy):
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         """Nothing yet: the model is split (and rank 0's weights broadcast) at its first use."""
 
-    def is_managed(self, model: nn.Module) -> bool:
-        return model is self._model
-
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Adopt ``model`` (an ``nn.Sequential`` or a list of modules; any module with named
         ``split_points``) as the one pipelined model.

@@ -152,8 +152,7 @@ class Trainer:
         self.history = History()
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         self._fit_callbacks: list[Callback] = []  # the running fit's callbacks, on this rank or not
-        if not self.strategy.is_managed(model):
-            self.strategy.prepare_model(model)
+        self.strategy.prepare_model(model)  # nothing to do for a model built in the scope
         self.strategy.prepare_optimizer(optimizer)  # after the model: it may rewire the optimizer
 
     @property
