@@ -281,9 +281,6 @@ class ParameterServerStrategy(Strategy):
             handle.remove()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        params = list(model.parameters())
-        if params and all(id(p) in self._names for p in params):
-            return model  # built in the scope: placed already
         for module in model.modules():
             if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
                 self._dense_uses.update(id(p) for p in module.parameters(recurse=False))
@@ -296,7 +293,7 @@ class ParameterServerStrategy(Strategy):
                 "row-read tables, but another layer now uses the same weight (tied weights) and reads "
                 "every row: tie the weights inside strategy.scope(), where the model is built"
             )
-        return super().prepare_model(model)
+        return super().prepare_model(model)  # nothing more for a model built in the scope
 
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         for param in params:  # a table another layer also uses whole is a dense variable
