@@ -745,7 +745,7 @@ class _CrashAfterEpoch(Callback):
 
 
 def _early_stopped_fit(root: Path, crash_after: int | None = None):
-    from spread.callbacks import EarlyStopping, ModelCheckpoint
+    from spread.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 
     train, validation = _noisy_task()
     torch.manual_seed(0)
@@ -755,6 +755,7 @@ def _early_stopped_fit(root: Path, crash_after: int | None = None):
     callbacks = [
         stopping,
         ModelCheckpoint(root / "best.pt", save_best_only=True),
+        CSVLogger(root / "log.csv"),
         BackupAndRestore(str(root / "backup")),
         *([_CrashAfterEpoch(crash_after)] if crash_after is not None else []),
     ]
@@ -766,7 +767,8 @@ def _early_stopped_fit(root: Path, crash_after: int | None = None):
 def test_a_resumed_run_stops_early_and_keeps_the_best_file_as_the_uninterrupted_one(tmp_path):
     """EarlyStopping's patience and best weights and ModelCheckpoint's best value are in the backup:
     a run preempted while the monitored value is not improving resumes counting, stops at the same
-    epoch, restores the same weights and never overwrites best.pt with a worse model."""
+    epoch, restores the same weights and never overwrites best.pt with a worse model; the CSV log
+    keeps the epochs before the preemption and ends as the uninterrupted run's."""
     weights, history, stopping = _early_stopped_fit(tmp_path / "ref")
     assert (stopping.stopped_epoch, stopping.best_epoch) == (14, 11)  # the task as designed
     best = torch.load(tmp_path / "ref" / "best.pt", weights_only=True)
@@ -780,3 +782,4 @@ def test_a_resumed_run_stops_early_and_keeps_the_best_file_as_the_uninterrupted_
     resumed_best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
     for key, value in best.items():
         assert torch.equal(resumed_best[key], value), key
+    assert (tmp_path / "run" / "log.csv").read_text() == (tmp_path / "ref" / "log.csv").read_text()

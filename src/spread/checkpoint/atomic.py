@@ -73,7 +73,7 @@ def fsync_directory_if_possible(directory: str | os.PathLike[str]) -> None:
 
 
 def atomic_save(
-    obj: Any, path: str | os.PathLike[str], write: Callable[[Any, IO[bytes]], None] | None = None
+    obj: Any, path: str | os.PathLike[str], write: Callable[[Any, IO[bytes]], object] | None = None
 ) -> None:
     """Write ``obj`` to ``path`` so that ``path`` holds either its previous content or the whole new
     file, never a torn one: written to a hidden temporary file in the same directory, flushed and

@@ -76,3 +76,20 @@ def test_bad_arguments(tmp_path, kwargs, name):
     kwargs = {"filename": tmp_path / "x.csv", **kwargs}
     with pytest.raises(ValueError, match=f"Invalid value for argument `{name}`"):
         CSVLogger(**kwargs)
+
+
+def test_a_restored_logger_keeps_the_rows_up_to_the_backup_and_appends(fake_trainer, tmp_path):
+    """Resumed from a backup taken after epoch 1 while epoch 2's row was already written: the row of
+    the epoch trained again is not doubled, and the earlier rows are not truncated away."""
+    path = tmp_path / "log.csv"
+    first = CSVLogger(path)
+    fake_trainer(epochs=3).fit([first])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and first.state_dict() == {"lines": 4}
+    resumed = CSVLogger(path)
+    resumed.set_trainer(fake_trainer())
+    resumed.on_train_begin()
+    resumed.load_state_dict({"lines": 3})  # the backup after epoch 1: header and epochs 0, 1
+    resumed.on_epoch_end(2, {"loss": 0.125, "accuracy": 0.5, "val_loss": 0.25})
+    resumed.on_train_end()
+    assert path.read_text().splitlines() == [*lines[:3], "2,0.5,0.125,0.25"]

@@ -12,6 +12,7 @@ Scalars: ``epoch/<name>`` for every epoch log (step = 0-based epoch), and, with 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from spread.train.callbacks._monitor import as_float, check_freq, invalid
@@ -83,3 +84,10 @@ class TensorBoard(Callback):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Batches since the last batch-level write: a resumed fit writes on the same steps."""
+        return {"batches_since_write": self._batches_since_write}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._batches_since_write = int(state["batches_since_write"])
