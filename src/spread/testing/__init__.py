@@ -3,6 +3,7 @@
 Public so that users can test their own distributed training code the way spread tests itself.
 """
 
+from spread.testing.budget import budget, time_scale
 from spread.testing.harness import RankResult, RanksFailed, launch_ranks, run_ranks
 from spread.testing.processes import process_alive, reap_survivors
 from spread.testing.ps_jobs import chief_of, ps_job_env, run_ps_job
@@ -10,6 +11,7 @@ from spread.testing.ps_jobs import chief_of, ps_job_env, run_ps_job
 __all__ = [
     "RankResult",
     "RanksFailed",
+    "budget",
     "chief_of",
     "launch_ranks",
     "process_alive",
@@ -17,4 +19,5 @@ __all__ = [
     "reap_survivors",
     "run_ps_job",
     "run_ranks",
+    "time_scale",
 ]

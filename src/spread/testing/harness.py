@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from spread import env as spread_env
+from spread.testing.budget import budget
 
 
 @dataclass
@@ -116,6 +117,7 @@ def launch_ranks(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs!r}")
+    timeout, init_timeout = budget(timeout), budget(init_timeout)  # a busy machine is not a hang
     if store_host not in ("launcher", "rank0"):
         raise ValueError(f"store_host must be 'launcher' or 'rank0', got {store_host!r}")
     ctx = mp.get_context("spawn")

@@ -22,6 +22,7 @@ from typing import Any
 
 from spread import env as spread_env
 from spread.cluster import ClusterSpec
+from spread.testing.budget import budget
 from spread.testing.harness import launch_ranks
 
 
@@ -186,7 +187,7 @@ def run_ps_script(
                         start_new_session=True,
                     )
                 procs.append((task["type"], int(task["index"]), proc))
-            deadline = start + timeout
+            deadline = start + budget(timeout)
             while len(ended) < len(procs) and time.monotonic() < deadline:
                 for i, (_, _, proc) in enumerate(procs):
                     if i not in ended and proc.poll() is not None:
