@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import subprocess
@@ -356,3 +357,40 @@ def test_load_latest_of_one_step(tmp_path):
     step, state = manager.load_latest(step=2)
     assert step == 2 and torch.equal(state["w"], torch.full((2,), 2.0))
     assert manager.load_latest(step=7) is None
+
+
+FILE_SIZE_LIMIT = r"""
+import resource, signal, sys
+import torch
+from spread.checkpoint import CheckpointManager
+from spread.checkpoint.atomic import atomic_save
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as a full disk does
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+state = {"w": torch.zeros(1_000_000)}
+saves = {
+    "manager": lambda: CheckpointManager(sys.argv[1]).save(1, state),
+    "file": lambda: atomic_save(state, sys.argv[1] + "/model.pt"),
+}
+for what, save in saves.items():
+    try:
+        save()
+    except OSError as exc:
+        print(what, exc.errno, exc.filename, exc.strerror, flush=True)
+"""
+
+
+@pytest.mark.processes
+def test_a_write_the_disk_refuses_names_the_cause_and_the_file(tmp_path):
+    """A full disk (or a file-size limit) used to read ``[enforce fail at inline_container.cc:672]
+    ... unexpected pos``: the OS error is raised as itself, naming the file, and nothing is left."""
+    run = subprocess.run(
+        [sys.executable, "-c", FILE_SIZE_LIMIT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines == [
+        f"manager {errno.EFBIG} {tmp_path / 'ckpt-0000000001' / 'state.pt'} File too large",
+        f"file {errno.EFBIG} {tmp_path / 'model.pt'} File too large",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary file, no checkpoint

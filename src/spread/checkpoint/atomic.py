@@ -88,16 +88,48 @@ def atomic_save(
     # Hidden and suffixed so globs like "*.pt" never pick up a temporary file.
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "xb") as f:
-            (write or torch.save)(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(obj, tmp, write, shown_as=path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     fsync_directory_if_possible(directory)
+
+
+def write_file(
+    obj: Any,
+    path: str | os.PathLike[str],
+    write: Callable[[Any, IO[bytes]], object] | None = None,
+    *,
+    shown_as: str | os.PathLike[str] | None = None,
+) -> None:
+    """Create ``path`` (it must not exist), write ``obj`` into it (``write(obj, file)``, default
+    ``torch.save``), flush and fsync it. An operating-system error while writing (a full disk, a
+    file-size limit) is raised as itself, naming ``shown_as`` (default ``path``): ``torch.save`` would
+    report it as ``[enforce fail at inline_container.cc] ... unexpected pos``, hiding the cause."""
+    try:
+        with open(path, "xb") as f:
+            (write or torch.save)(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as exc:
+        cause = _os_error_under(exc)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, os.fspath(shown_as or path)) from exc
+
+
+def _os_error_under(exc: BaseException) -> OSError | None:
+    """The operating-system error an exception was raised while handling, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def sha256_file(path: Path) -> str:

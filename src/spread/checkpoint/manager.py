@@ -35,6 +35,7 @@ from spread.checkpoint.atomic import (
     fsync_path,
     replace_pointer,
     verify,
+    write_file,
     write_manifest,
 )
 from spread.checkpoint.compat import raise_if, tensor_mismatches
@@ -92,7 +93,7 @@ class CheckpointManager:
         tmp = self.directory / f".tmp-{final.name}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            torch.save(state, tmp / STATE_FILE)
+            write_file(state, tmp / STATE_FILE, shown_as=final / STATE_FILE)
             crash_point("after_shard_write")
             self._commit(step, tmp, final)
         except BaseException:
@@ -121,7 +122,7 @@ class CheckpointManager:
         try:
             save_shards(tmp, rank, shards)  # collective: each rank its file, the coordinator .metadata
             if rank == 0:
-                torch.save(state, tmp / STATE_FILE)
+                write_file(state, tmp / STATE_FILE, shown_as=final / STATE_FILE)
                 crash_point("after_shard_write")
                 self._commit(step, tmp, final)
         except BaseException:
