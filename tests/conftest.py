@@ -4,7 +4,7 @@ The fast tier (``scripts/test.sh --fast``, ``SPREAD_TEST_FAST=1``) deselects tes
 ``processes`` or ``slow``, and refuses to start a process in the tests it keeps: a test that starts
 one without the ``processes`` mark fails at once, naming the mark, so the tier stays honest.
 
-On a busy machine every hard budget stretches (``spread.testing.budget``): the session reads the
+On a busy machine every hard budget stretches (``spread.testing.time_budget``): the session reads the
 load once at start into ``SPREAD_TEST_TIME_SCALE`` (set it by hand to choose), which scales each
 test's pytest-timeout and the harness's timeouts, in this process and the ranks it starts.
 
@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from spread.testing.budget import SCALE_ENV, busy_machine_scale, time_scale
+from spread.testing.time_budget import SCALE_ENV, busy_machine_scale, time_scale
 
 FAST_TIER = os.environ.get("SPREAD_TEST_FAST") == "1"
 if os.environ.get("SPREAD_TEST_GPU") != "1":  # before anything initialises CUDA

@@ -265,7 +265,7 @@ def test_a_process_whose_shard_is_empty_gets_a_clear_error():
 
 
 def test_a_stream_is_read_in_full_by_every_process_only_without_a_channel():
-    """What the strategy refuses (``Strategy.distribute_dataset``): a stream, several processes, no channel
+    """What the strategy refuses (``Strategy._check_data``): a stream, several processes, no channel
     to dispatch it. Map-style data, a stream with a channel, or one process are read once."""
     two = ReplicaLayout(2, 0, 1, process_index=0, num_processes=2)
     channel = ThreadChannels(2).channel(0)

@@ -304,19 +304,23 @@ class Strategy(abc.ABC):
             on_step=self._set_step_info,
             channel=self._data_channel(),
         )
-        # Refused up front: a stream every process would read in full (several processes, no
-        # data channel to dispatch it): never a hang, never a silent second reading.
-        if distributed.read_in_full_by_every_process:
+        self._check_data(distributed)
+        return distributed
+
+    def _check_data(self, data: DistributedDataset) -> None:
+        """Refuse, up front, data this strategy cannot read correctly (never a hang, never a silent
+        second reading). Default: a stream that every process would read in full (several processes,
+        no :meth:`_data_channel` to dispatch it)."""
+        if data.read_in_full_by_every_process:
             raise SpreadError(
                 f"{type(self).__name__} cannot hand a stream on between its "
-                f"{distributed.layout.num_processes} data-reading processes, so this "
-                f"{type(distributed.dataset).__name__} (an iterable without shard(num_shards, index)) "
+                f"{data.layout.num_processes} data-reading processes, so this "
+                f"{type(data.dataset).__name__} (an iterable without shard(num_shards, index)) "
                 f"would be read in full by every one of them: give it a shard(num_shards, index) "
                 f"method (each process then reads only its own files), pass a map-style dataset "
                 f"(each process loads only its slice), or use shard_policy='off' when each process's "
                 f"stream already holds only its own samples"
             )
-        return distributed
 
     def _data_channel(self) -> DataChannel | None:
         """How the processes reading data agree on steps and pass a stream on (see

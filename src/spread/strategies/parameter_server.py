@@ -23,7 +23,7 @@ as one device on the global batch; ``max_staleness=k`` (async) holds back a work
 Data: ``distribute_dataset`` splits each global batch over the training tasks in both modes (each
 task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
 Async tasks may read their own ``shard()`` shards, of any sizes (each steps alone); sync mode refuses
-them, and both modes refuse a stream without ``shard()`` (see :meth:`distribute_dataset`).
+them, and both modes refuse a stream without ``shard()`` (see :meth:`_check_data`).
 ``reduce`` and ``gather`` are local: training tasks never wait for each other, so logs (and
 ``Trainer.evaluate``) are per task. Buffers (e.g. BatchNorm statistics) are not variables on the
 servers: each training task keeps its own, updated by its own batches, and its ``evaluate`` uses
@@ -225,12 +225,6 @@ class ParameterServerStrategy(Strategy):
         its own batches looked up, as they were then (rows it never read keep their initial values)."""
         self._pull_whole(list(self._variables))
 
-    def distribute_dataset(self, dataset: Any, global_batch_size: int, **options: Any) -> DistributedDataset:
-        """As :meth:`Strategy.distribute_dataset`, refusing what sync mode cannot end together (below)."""
-        data = super().distribute_dataset(dataset, global_batch_size, **options)
-        self._check_data(data)
-        return data
-
     def _check_data(self, data: DistributedDataset) -> None:
         """Sync mode: every training task must push every step, but the tasks share no channel
         (they talk only to the servers) to agree on where an epoch ends. Data each task reads on its
@@ -259,6 +253,7 @@ class ParameterServerStrategy(Strategy):
                     f"ParameterServerStrategy(mode='sync') cannot train on {kind}, an iterable "
                     f"without shard(num_shards, index): every task would read it in full; {instead}"
                 )
+        super()._check_data(data)
 
     # -- variables ---------------------------------------------------------------------------------
     @contextmanager

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from spread import env as spread_env
-from spread.testing.budget import budget
+from spread.testing.time_budget import budget
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from spread.testing.budget import budget
+from spread.testing.time_budget import budget
 
 
 def process_alive(pid: int) -> bool:
@@ -60,7 +60,7 @@ class SpreadRun:
 def spread_run(script: Path, nproc: int, *args: str, timeout: float = 240.0) -> SpreadRun:
     """Run ``spread run -n nproc script args...`` as a user would (no inherited rank variables,
     one intra-op thread per rank, a 20 s collective timeout), under a hard ``timeout`` (an idle
-    machine's: stretched by :func:`spread.testing.budget.time_scale`)."""
+    machine's: stretched by :func:`spread.testing.time_budget.time_scale`)."""
     drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(OMP_NUM_THREADS="1", SPREAD_COLLECTIVE_TIMEOUT="20")

@@ -22,8 +22,8 @@ from typing import Any
 
 from spread import env as spread_env
 from spread.cluster import ClusterSpec
-from spread.testing.budget import budget
 from spread.testing.harness import launch_ranks
+from spread.testing.time_budget import budget
 
 
 def free_ports(n: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spread.testing.budget import SCALE_ENV, budget, busy_machine_scale, time_scale
+from spread.testing.time_budget import SCALE_ENV, budget, busy_machine_scale, time_scale
 
 
 def test_the_scale_follows_the_load_per_core():
