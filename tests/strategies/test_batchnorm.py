@@ -288,3 +288,61 @@ def test_a_replica_without_samples_takes_part_in_the_exchange():
         assert max_relative_difference(train(strategy), expected) <= TOLERANCE
     finally:
         strategy.close()
+
+
+# -- sync_batchnorm under mixed precision (bf16/fp16 inputs, float32 parameters and statistics) ------
+def _mixed_precision_losses(strategy: spread.Strategy, precision: str) -> tuple[list[float], dict]:
+    with strategy.scope():
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, precision=precision)
+    if trainer.precision.scaler is not None:
+        # A replica's gradients are 1/share of one device's (its loss is its slice's mean), so a
+        # high loss scale overflows there a step earlier and the scaler skips different steps.
+        trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    history = trainer.fit(make_data(), epochs=3, global_batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+    buffers = {k: v.detach().clone() for k, v in strategy.full_state_dict(model).items() if "running" in k}
+    return history.history["loss"], buffers
+
+
+def _assert_like_one_device(losses: list[float], buffers: dict, precision: str, who: str) -> None:
+    """The crash is the bug (torch.batch_norm refused float32 statistics beside a bf16 input); the
+    numbers can only be close: one device normalises in its own mixed-precision kernel."""
+    reference, _ = _mixed_precision_losses(spread.OneDeviceStrategy("cpu"), precision)
+    assert losses == pytest.approx(reference, rel=1e-2), who
+    for key, value in buffers.items():  # statistics stay float32 and finite
+        assert value.dtype == torch.float32 and torch.isfinite(value).all(), f"{who}: {key}"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["mirrored", "central_storage"])
+def test_thread_replicas_sync_batchnorm_trains_in_mixed_precision(kind, precision):
+    cls = spread.MirroredStrategy if kind == "mirrored" else spread.CentralStorageStrategy
+    strategy = cls(num_replicas=2, intra_op_threads=1, sync_batchnorm=True)
+    try:
+        losses, buffers = _mixed_precision_losses(strategy, precision)
+    finally:
+        strategy.close()
+    _assert_like_one_device(losses, buffers, precision, f"{kind} {precision}")
+
+
+def _process_mixed_precision() -> dict:
+    results = {}
+    for kind, precision in [("mwms", "bf16"), ("mwms", "fp16"), ("sharded", "bf16")]:  # Sharded: no fp16
+        if kind == "mwms":
+            strategy: spread.Strategy = spread.MultiWorkerMirroredStrategy(sync_batchnorm=True)
+        else:
+            strategy = spread.ShardedStrategy(shard="gradients", sync_batchnorm=True)
+        try:
+            results[f"{kind} {precision}"] = _mixed_precision_losses(strategy, precision)
+        finally:
+            strategy.close()
+    return results
+
+
+@pytest.mark.processes
+def test_process_replicas_sync_batchnorm_trains_in_mixed_precision():
+    per_rank = run_ranks(_process_mixed_precision, 2, timeout=240)
+    for rank, results in enumerate(per_rank):
+        for who, (losses, buffers) in results.items():
+            _assert_like_one_device(losses, buffers, who.split()[1], f"rank {rank}: {who}")

@@ -117,7 +117,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         replica_id: int,
         share: float,
     ) -> torch.Tensor:
-        mean_x, var_x = mean.to(x.dtype), var.to(x.dtype)
+        # Under autocast a bf16/fp16 input meets float32 parameters: the statistics join them in
+        # float32 (as torch's SyncBatchNorm does since pytorch/pytorch#96203); the output keeps x's dtype.
+        mean_x, var_x = mean.to(_statistics_dtype(x, weight)), var.to(_statistics_dtype(x, weight))
         y = torch.batch_norm(x, weight, bias, mean_x, var_x, False, 0.0, eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean, (var + eps).rsqrt())
         ctx.exchange = (sum_over_replicas, replica_id, share)
@@ -146,17 +148,27 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             c_x = -k * invstd * mean_gx_hat
             c_0 = k * (mean * invstd * mean_gx_hat - mean_g)
             shape = _channel_shape(grad_out)
-            to = grad_out.dtype
+            # In float32 at least (a bf16/fp16 gradient under autocast, scaled by fp16's loss scaler,
+            # overflows in these products where the native kernel's float arithmetic does not).
+            to = torch.promote_types(grad_out.dtype, torch.float32)
             grad_x = torch.addcmul(
-                torch.addcmul(c_0.to(to).view(shape), x, c_x.to(to).view(shape)),
-                grad_out,
+                torch.addcmul(c_0.to(to).view(shape), x.to(to), c_x.to(to).view(shape)),
+                grad_out.to(to),
                 k.to(to).view(shape),
-            )
+            ).to(grad_out.dtype)
         elif ctx.needs_input_grad[0]:
             grad_x = torch.zeros_like(grad_out)
         grad_w = sum_gx_hat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_b = sum_g.to(grad_out.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _statistics_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype ``torch.batch_norm`` needs its mean and variance in: the parameters' where there are
+    any, float32 for a reduced-precision input without them, else the input's."""
+    if weight is not None:
+        return weight.dtype
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
 
 
 def _batch_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
