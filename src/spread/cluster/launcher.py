@@ -673,7 +673,7 @@ def _check_entrypoint(config: LaunchConfig) -> None:
     elif not config.module and not os.path.isfile(config.entrypoint):
         raise FileNotFoundError(
             f"script not found: {config.entrypoint!r} (relative to {os.getcwd()}); "
-            f"to run a module instead, pass -m (module=True)"
+            "to run a module instead, use `spread run -m NAME` (LaunchConfig(module=True) in Python)"
         )
 
 

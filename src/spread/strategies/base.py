@@ -249,12 +249,15 @@ class Strategy(abc.ABC):
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine a per-replica value over all replicas (``"sum"`` or ``"mean"``); the same on every
-        rank. With ``axis``, also reduce along that axis of each value (mean over all elements)."""
+        rank. With ``axis``, also reduce along that axis of each value (mean over all elements).
+        The result carries no gradient under every strategy (a value for logs and decisions, as
+        tf.distribute's ``reduce``): backpropagate the per-replica loss inside ``run``."""
         op = check_reduce_op(op)
         if axis is not None:
-            gathered = self.gather(value, axis=axis)
+            gathered = self.gather(value, axis=axis).detach()
             return gathered.sum(dim=axis) if op == "sum" else gathered.mean(dim=axis)
         total, count = self._sum_over_replicas(value)
+        total = total.detach()
         return total if op == "sum" else total / count
 
     @abc.abstractmethod
