@@ -170,3 +170,23 @@ def test_runs_on_every_rank_and_only_the_chief_writes(fake_trainer, tmp_path):
 def test_bad_arguments(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=f"Invalid value for argument `{name}`.*Received: {name}="):
         ModelCheckpoint(tmp_path / "m.pt", **kwargs)
+
+
+def test_a_safetensors_name_is_written_as_safetensors(fake_trainer, tmp_path):
+    """A ``.safetensors`` name holds safetensors (it held a torch pickle before), loadable without
+    torch.load; tied weights (one storage, two names) are written as two tensors."""
+    from safetensors.torch import load_file
+
+    trainer = fake_trainer(epochs=2)
+    trainer.model.extra = torch.nn.Linear(2, 1)
+    trainer.model.extra.weight = trainer.model.weight  # tied
+    trainer.fit([ModelCheckpoint(tmp_path / "model-{epoch}.safetensors")])
+    saved = load_file(tmp_path / "model-2.safetensors")
+    assert set(saved) == set(trainer.model.state_dict())
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(saved[key], value), key
+
+
+def test_a_safetensors_name_with_the_optimizer_is_refused():
+    with pytest.raises(ValueError, match=r"safetensors.*save_weights_only=True"):
+        ModelCheckpoint("model.safetensors", save_weights_only=False)
