@@ -326,23 +326,21 @@ def test_thread_replicas_sync_batchnorm_trains_in_mixed_precision(kind, precisio
     _assert_like_one_device(losses, buffers, precision, f"{kind} {precision}")
 
 
-def _process_mixed_precision() -> dict:
-    results = {}
-    for kind, precision in [("mwms", "bf16"), ("mwms", "fp16"), ("sharded", "bf16")]:  # Sharded: no fp16
-        if kind == "mwms":
-            strategy: spread.Strategy = spread.MultiWorkerMirroredStrategy(sync_batchnorm=True)
-        else:
-            strategy = spread.ShardedStrategy(shard="gradients", sync_batchnorm=True)
-        try:
-            results[f"{kind} {precision}"] = _mixed_precision_losses(strategy, precision)
-        finally:
-            strategy.close()
-    return results
+def _process_mixed_precision(kind: str, precision: str) -> tuple[list[float], dict]:
+    if kind == "mwms":
+        strategy: spread.Strategy = spread.MultiWorkerMirroredStrategy(sync_batchnorm=True)
+    else:
+        strategy = spread.ShardedStrategy(shard="gradients", sync_batchnorm=True)
+    try:
+        return _mixed_precision_losses(strategy, precision)
+    finally:
+        strategy.close()
 
 
 @pytest.mark.processes
-def test_process_replicas_sync_batchnorm_trains_in_mixed_precision():
-    per_rank = run_ranks(_process_mixed_precision, 2, timeout=240)
-    for rank, results in enumerate(per_rank):
-        for who, (losses, buffers) in results.items():
-            _assert_like_one_device(losses, buffers, who.split()[1], f"rank {rank}: {who}")
+@pytest.mark.parametrize(("kind", "precision"), [("mwms", "bf16"), ("mwms", "fp16"), ("sharded", "bf16")])
+def test_process_replicas_sync_batchnorm_trains_in_mixed_precision(kind, precision):
+    """One job each (ShardedStrategy refuses fp16)."""
+    per_rank = run_ranks(_process_mixed_precision, 2, args=(kind, precision), timeout=180)
+    for rank, (losses, buffers) in enumerate(per_rank):
+        _assert_like_one_device(losses, buffers, precision, f"rank {rank}: {kind} {precision}")
