@@ -60,16 +60,8 @@ def fsync_path(path: Path) -> None:
 def fsync_directory_if_possible(directory: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename in it survives a power loss; a no-op where the platform or
     filesystem cannot open or fsync a directory (the rename is still atomic there)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):
+        fsync_path(Path(directory))
 
 
 def atomic_save(

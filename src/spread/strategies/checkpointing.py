@@ -18,6 +18,7 @@ layout. The format is versioned (``FORMAT``); a checkpoint of an older spread is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +136,7 @@ class StateLayout:
         """What this rank reads of a saved object's pieces (``shapes``: their one-device shapes):
         default, each whole, flat (the tensor was split over the ranks that wrote it)."""
         return {
-            name: torch.empty(_numel(shape), dtype=dtype_named(dtypes[name]))
+            name: torch.empty(math.prod(shape), dtype=dtype_named(dtypes[name]))
             for name, shape in shapes.items()
         }
 
@@ -191,9 +192,9 @@ def save(
     objects: dict[str, Any] = {}
     pieces: dict[str, torch.Tensor] = {}
     for key, obj in _checked(state).items():
-        if isinstance(obj, nn.Module | torch.optim.Optimizer):
-            kind = "module" if isinstance(obj, nn.Module) else "optimizer"
-            saved = layout.module_state(obj) if isinstance(obj, nn.Module) else layout.optimizer_state(obj)
+        kind = _kind(obj)
+        if kind in ("module", "optimizer"):
+            saved = layout.module_state(obj) if kind == "module" else layout.optimizer_state(obj)
             objects[key] = {
                 "kind": kind,
                 "state": saved.state,
@@ -202,7 +203,7 @@ def save(
                 "aliases": dict(saved.aliases),
             }
             pieces.update({f"{key}/{name}": t for name, t in saved.pieces.items()})
-        elif isinstance(obj, Stateful):
+        elif kind == "stateful":
             objects[key] = {"kind": "stateful", "state": obj.state_dict()}
         else:
             objects[key] = {"kind": "value", "value": obj}
@@ -361,13 +362,6 @@ def _meta(record: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     }
     meta.update({alias: meta[name] for alias, name in record["aliases"].items() if name in meta})
     return meta
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
