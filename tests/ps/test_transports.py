@@ -16,6 +16,7 @@ import typing
 
 import pytest
 import torch
+import zmq
 from _transport_peers import FAKE_SERVER_MODES, RAW_CALLERS, TOKEN, fake_server
 from _zmq_peers import FakeServer, Relay
 
@@ -452,6 +453,46 @@ def test_stopping_the_server_ends_a_blocked_stream_with_a_clear_error(rpc):
     ):
         next(messages)
     client.close()
+
+
+class _MonitorFirst:
+    """A ZeroMQ connection's poller that reports the monitor's disconnect before the socket's data
+    (the order seen now and then under load when a server closes right after its last message)."""
+
+    def __init__(self, conn) -> None:
+        self._conn, self._real = conn, conn.poller
+
+    def poll(self, timeout_ms):
+        ready = dict(self._real.poll(timeout_ms))
+        if ready.get(self._conn.monitor):
+            return [(self._conn.monitor, zmq.POLLIN)]
+        return list(ready.items())
+
+
+def test_a_stream_reads_what_the_server_sent_before_it_stopped(rpc):
+    """A chief yields "stop" to a worker's session and exits at once: the worker still reads "stop"
+    (issue 40 item 8: a finished coordinator job's worker failed with "connection lost")."""
+    sent = threading.Event()
+
+    def session(meta, tensors, ctx):
+        yield {"op": "task"}, {}
+        yield {"op": "stop"}, {}
+        sent.set()
+
+    srv = rpc.server("chief", {}, stream_handlers={"session": session}, token=TOKEN).start()
+    client = rpc.client(srv.address, peer="the chief", token=TOKEN, timeout=30)
+    try:
+        stream = client.stream("session", {})
+        messages = iter(stream)
+        assert next(messages)[0] == {"op": "task"}
+        assert sent.wait(30)
+        srv.stop()
+        time.sleep(0.3)  # the last message and the disconnect have both arrived
+        if rpc.name == "zmq":
+            stream._conn.poller = _MonitorFirst(stream._conn)
+        assert next(messages)[0] == {"op": "stop"}
+    finally:
+        client.close()
 
 
 def test_stop_leaves_no_threads_or_listener(rpc):

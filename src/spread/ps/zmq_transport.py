@@ -80,6 +80,7 @@ _HEARTBEAT_MS = 10_000  # ZMTP heartbeats: notice a peer whose host died (no FIN
 _PROBE_INTERVAL = 0.5  # at most one liveness probe per stream this often
 _DRAIN_SECONDS = 1.0  # stop() lets calls already being handled answer for this long
 _LINGER_MS = 1000  # and then lets their answers leave for this long
+_LATE_ANSWER_MS = 50  # after a disconnect, how long answers received before it may take to surface
 _log = logging.getLogger(__name__)
 
 
@@ -513,9 +514,22 @@ class _Connection:
             if ready.get(self.monitor):
                 self.events()
                 if self.lost:
+                    # What the server sent before closing (a stream's last "stop") may sit behind the
+                    # disconnect event: it is still an answer, not a lost connection.
+                    parts = self._already_received(rid)
+                    if parts is not None:
+                        return parts
                     raise _Lost("connection lost (it died, or dropped a message part over its size limit)")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _already_received(self, rid: bytes) -> list[zmq.Frame] | None:
+        """The answer to ``rid`` among the messages that arrived before the disconnect, if any."""
+        while self.socket.poll(_LATE_ANSWER_MS, zmq.POLLIN):
+            parts = self.socket.recv_multipart(copy=False)
+            if len(parts) >= 2 and parts[0].bytes == rid:
+                return parts[1:]
+        return None
 
     def close(self) -> None:
         try:
