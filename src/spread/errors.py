@@ -64,6 +64,18 @@ class PeerLostError(CollectiveError):
     """A peer process closed its connection mid-collective (it died or exited early)."""
 
 
+class PeerFailedError(SpreadError):
+    """This rank stops only because another rank failed (that rank's own error is the cause).
+
+    Launchers report the other rank: ``spread run`` leaves this error out when it names the rank
+    that failed first.
+    """
+
+    def __init__(self, rank: int, peer: int, detail: str) -> None:
+        self.rank, self.peer = rank, peer
+        super().__init__(f"rank {rank}: rank {peer} failed: {detail}")
+
+
 class CheckpointCorruptError(SpreadError):
     """A checkpoint failed verification; ``path`` names the file or directory."""
 

@@ -531,18 +531,26 @@ def test_a_recorded_exception_is_named_in_the_failure_note(
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize(
+    "consequence",
+    [
+        'PeerLostError(0, "all_reduce", 7, "a peer process went away")',
+        'PeerFailedError(0, 1, "it could not write the checkpoint of step 4")',
+    ],
+    ids=["peer-lost", "peer-failed"],
+)
 def test_the_rank_that_raised_first_is_named_not_a_peer_that_lost_it(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], consequence: str
 ) -> None:
-    """Rank 1 raises but is slow to exit; rank 0 then fails with spread's PeerLostError and exits
-    first. The note and the exit code are rank 1's: its exception came first and rank 0's only
-    reports it."""
+    """Rank 1 raises but is slow to exit; rank 0 then fails with an error of spread's that only
+    reports it (a peer lost; a peer's failed checkpoint write, as under ``ulimit -f``) and exits
+    first. The note and the exit code are rank 1's: its exception came first."""
     flag = tmp_path / "raised"
     script = _script(
         tmp_path,
         f"""
         import atexit
-        from spread.errors import PeerLostError
+        from spread.errors import PeerFailedError, PeerLostError
 
         if os.environ["RANK"] == "1":
             atexit.register(time.sleep, 2)  # a slow teardown after the exception
@@ -551,13 +559,49 @@ def test_the_rank_that_raised_first_is_named_not_a_peer_that_lost_it(
         while not os.path.exists({str(flag)!r}):
             time.sleep(0.01)
         time.sleep(0.2)
-        raise PeerLostError(0, "all_reduce", 7, "a peer process went away")
+        raise {consequence}
     """,
     )
     assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 1
     err = capfd.readouterr().err
     assert "rank 1 exited with code 1 (ValueError: bad learning rate 1e9)" in err
     assert "rank 0 exited" not in err
+
+
+@pytest.mark.processes
+def test_a_chief_whose_backup_write_fails_under_a_file_size_limit_is_the_one_named(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 40 item 5: under ``ulimit -f`` the chief's checkpoint write failed and the launcher named
+    rank 1, whose error only said that the chief had failed."""
+    script = _script(
+        tmp_path,
+        f"""
+        import resource
+        import torch
+        from torch import nn
+        import spread
+
+        if os.environ["RANK"] == "0":
+            import atexit
+            atexit.register(time.sleep, 2)  # rank 1 exits first, as it did in the report
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+        strategy = spread.MultiWorkerMirroredStrategy()  # all-reduce "auto": "native" under the limit
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+            optimizer = torch.optim.Adam(model.parameters())
+        x, y = torch.randn(64, 128), torch.randint(0, 4, (64,))
+        backup = spread.callbacks.BackupAndRestore({str(tmp_path / "backup")!r})
+        spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy).fit(
+            (x, y), epochs=2, global_batch_size=32, verbose=0, callbacks=[backup]
+        )
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2)) == 1
+    err = capfd.readouterr().err
+    assert "rank 0 exited with code 1 (OSError: [Errno 27] File too large: " in err, err
+    assert "rank 1 exited" not in err
 
 
 @pytest.mark.processes

@@ -222,8 +222,8 @@ def test_a_chief_that_cannot_write_the_backup_stops_every_rank_with_a_clear_erro
     )
     assert results[0].error and results[0].error.startswith(("FileExistsError", "NotADirectoryError"))
     assert results[1].error == (
-        f"SpreadError: the chief failed to write the checkpoint of step 2 to {blocker / 'backup'} "
-        "(its log says why); stopping so that no rank runs ahead of it"
+        f"PeerFailedError: rank 1: rank 0 failed: it could not write the checkpoint of step 2 to "
+        f"{blocker / 'backup'} (its log says why); stopping so that no rank runs ahead of it"
     ), results[1].describe()
 
 

@@ -61,7 +61,7 @@ from spread.cluster._process import (
     process_state,
     signal_group,
 )
-from spread.errors import CollectiveTimeout, PeerLostError
+from spread.errors import CollectiveTimeout, PeerFailedError, PeerLostError
 
 TOKEN_ENV = spread_env.JOB_TOKEN
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -74,7 +74,9 @@ _SERVICE_ROLES = ("ps", "evaluator")  # tasks of a parameter-server job that ser
 # Variables an outer launcher may have set that would misdirect our ranks if inherited.
 _INHERITED_NOISE = ("TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
 # Exceptions that report another rank's failure: never named as the cause when a rank raised another.
-_CONSEQUENCES = frozenset(f"{e.__module__}.{e.__qualname__}" for e in (PeerLostError, CollectiveTimeout))
+_CONSEQUENCES = frozenset(
+    f"{e.__module__}.{e.__qualname__}" for e in (PeerLostError, CollectiveTimeout, PeerFailedError)
+)
 
 
 def _invalid(name: str, rule: str, value: object) -> ValueError:

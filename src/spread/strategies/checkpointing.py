@@ -30,7 +30,7 @@ from torch import nn
 from spread.checkpoint import CheckpointManager
 from spread.checkpoint.compat import optimizer_mismatches, raise_if, tensor_mismatches
 from spread.checkpoint.manager import SHARDS_KEY
-from spread.errors import CheckpointMismatchError, SpreadError
+from spread.errors import CheckpointMismatchError, PeerFailedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from spread.strategies.base import Strategy
@@ -222,9 +222,12 @@ def save(
     if failure is not None:
         raise failure
     if bool((flags < 1).any()):
-        raise SpreadError(
-            f"the chief failed to write the checkpoint of step {step} to {path} (its log says why); "
-            "stopping so that no rank runs ahead of it"
+        writer = int((flags.flatten() < 1).nonzero()[0].item())
+        raise PeerFailedError(
+            strategy.rank,
+            writer,
+            f"it could not write the checkpoint of step {step} to {path} (its log says why); "
+            "stopping so that no rank runs ahead of it",
         )
     return written
 

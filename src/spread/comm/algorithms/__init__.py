@@ -8,6 +8,7 @@ The ``"auto"`` rule, by backend and buffer size, written from ``benchmarks/allre
   machine (5.8x at 16 MB, 7x at 64 MB) and 5-17x on a loaded one, where gloo's loopback TCP suffers
   most; it also won at 4 KB (one round of two datagram barriers against gloo's TCP round trips).
   No size threshold: no size was found where another algorithm beat it.
+  Not under a file-size limit (``ulimit -f``) on any rank: the kernel counts its segments as files.
 * **gloo across hosts** -> ``native``. Our ``ring`` measured 0.9-1.1x ``native`` for 4-64 MB and far
   worse below 1 MB (each point-to-point message costs a Python round trip), ``reduce_to_one``
   0.7-0.9x from 4 MB; ``hierarchical`` across real hosts was not measured, so it is not chosen.
@@ -16,6 +17,8 @@ The ``"auto"`` rule, by backend and buffer size, written from ``benchmarks/allre
 
 from __future__ import annotations
 
+import logging
+
 import torch.distributed as dist
 
 from spread.comm.algorithms.base import AllReduceAlgorithm, PendingAllReduce, segment_bounds
@@ -23,7 +26,7 @@ from spread.comm.algorithms.hierarchical import HierarchicalAllReduce
 from spread.comm.algorithms.native import NativeAllReduce
 from spread.comm.algorithms.reduce_to_one import ReduceToOneAllReduce
 from spread.comm.algorithms.ring import RingAllReduce
-from spread.comm.algorithms.shm import ShmAllReduce, same_host, shm_supported
+from spread.comm.algorithms.shm import ShmAllReduce, same_host, shm_supported, shm_unlimited
 from spread.comm.ops import Collectives
 
 ALGORITHMS: dict[str, type[AllReduceAlgorithm]] = {
@@ -35,13 +38,23 @@ ALGORITHMS: dict[str, type[AllReduceAlgorithm]] = {
 }
 ALGORITHM_NAMES = ("auto", *ALGORITHMS)
 
+_log = logging.getLogger(__name__)
+
 
 def resolve_auto(collectives: Collectives) -> str:
     """The algorithm ``"auto"`` stands for on this group (collective: every rank must call)."""
     if dist.get_backend(collectives.group) != "gloo" or collectives.device.type != "cpu":
         return "native"
     on_one_host = same_host(collectives)  # collective: called on every rank, whatever the platform
-    return "shm" if on_one_host and shm_supported() else "native"
+    if not (on_one_host and shm_supported()):
+        return "native"
+    if not shm_unlimited(collectives):
+        _log.warning(
+            "communication 'auto' uses 'native', not 'shm': a rank has a file-size limit (`ulimit -f`), "
+            "and the kernel counts shared memory as a file"
+        )
+        return "native"
+    return "shm"
 
 
 def make_algorithm(

@@ -31,7 +31,7 @@ calls also order the memory writes before them, on any CPU. A barrier raises
 :class:`~spread.errors.CollectiveTimeout` at the collective deadline naming the ranks that did not
 arrive; while it waits it probes the missing peers every second, and a peer whose socket is gone
 (its process exited) fails the barrier at once with :class:`~spread.errors.PeerLostError`. Linux
-only (abstract sockets, ``/dev/shm``).
+only (abstract sockets, ``memfd_create``).
 
 **Only the peers are heard.** Abstract socket names are listed in ``/proc/net/unix`` for every local
 user, and anyone may send to a listed name. So each rank holds one socket per peer, named by an HMAC
@@ -48,8 +48,12 @@ that peer's rank (or be a probe). Everything else is dropped and counted in ``dr
 spare core for a communication thread, and the exchange is a few milliseconds of memory traffic, so
 running it after backward costs less than a thread fighting backward for the core.
 
-Segments are created under ``/dev/shm`` by the group's first rank, mapped by every rank, and unlinked
-as soon as all have mapped them: nothing is left behind, even after a crash.
+**Segments have no name.** The group's first rank creates each one with ``memfd_create`` and hands
+the descriptor to every peer with ``SCM_RIGHTS`` over that peer's barrier socket (connected, so only
+the first rank's socket can send on it; the message is also checked like a barrier message). Nothing
+appears in ``/dev/shm`` or anywhere in the file system, so another process of the same user cannot
+open a segment and write into the sums (it could, through ``/dev/shm``, while a named file existed);
+and nothing is left behind, even after a crash: the memory goes with the last mapping.
 
 ``bytes_sent`` counts what this rank writes into shared memory that other ranks read: its input
 (staged buffers only) plus its summed slice once per other rank.
@@ -63,6 +67,7 @@ import hmac
 import logging
 import mmap
 import os
+import resource
 import secrets
 import select
 import socket
@@ -94,6 +99,11 @@ _MESSAGE_BYTES = 2
 _PEER_GONE = {errno.ECONNREFUSED, errno.ENOTCONN, errno.ECONNRESET, errno.ENOENT}
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ANCILLARY_BYTES = socket.CMSG_SPACE(_UCRED.size) if hasattr(socket, "CMSG_SPACE") else 0
+_SEGMENT = b"spread-shm segment "  # + the segment's number: a message carrying its descriptor
+_FD = struct.Struct("i")
+_SEGMENT_ANCILLARY_BYTES = (
+    _ANCILLARY_BYTES + socket.CMSG_SPACE(_FD.size) if hasattr(socket, "CMSG_SPACE") else 0
+)
 
 _log = logging.getLogger(__name__)
 
@@ -113,6 +123,31 @@ def same_host(collectives: Collectives) -> bool:
 def shm_supported() -> bool:
     """Whether this system has what ``shm`` uses (Linux: abstract Unix sockets, shared files)."""
     return sys.platform.startswith("linux")
+
+
+def _segment_error(code: int, size: int) -> OSError:
+    """What every rank raises when the first rank could not make a shared segment."""
+    why = os.strerror(code)
+    if code == errno.EFBIG:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        why += (
+            f" (the file-size limit, `ulimit -f`, is {soft} bytes here, and the kernel counts shared "
+            f"memory as a file)"
+        )
+    return OSError(
+        code,
+        f"communication 'shm' could not create its {size / 2**20:.1f} MiB shared segment on rank 0: {why}; "
+        f"raise the limit or use communication='native'",
+    )
+
+
+def shm_unlimited(collectives: Collectives) -> bool:
+    """Whether no rank has a file-size limit, which the kernel applies to shared segments too
+    (collective: all ranks must call)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    free = torch.tensor([1 if soft == resource.RLIM_INFINITY else 0], device=collectives.device)
+    collectives.all_reduce(free, "min", name="shm_unlimited")
+    return bool(free.item())
 
 
 def _round_up(n: int, to: int) -> int:
@@ -150,17 +185,69 @@ class _PeerLink:
                 received = self.socket.recvmsg(_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return problem
-            if received == self.expected:
+            problem = self._count(received) or problem
+
+    def _count(self, received: tuple[bytes, list, int, object]) -> str | None:
+        """Count ``received`` if it is the peer's arrival, pass over its probe, drop anything else;
+        why it was dropped (None if it was not)."""
+        if received == self.expected:
+            self.arrived += 1
+            return None
+        why = self._problem(*received)
+        if why is None:  # a probe, or an arrival whose user or group reads differently here
+            if received[0] != _PROBE:
                 self.arrived += 1
+            return None
+        self.dropped += 1
+        self.last_problem = why
+        _log.debug("shared-memory barrier for rank %d: dropped a datagram (%s)", self.peer, why)
+        return why
+
+    def send_segment(self, number: int, fd: int, deadline: float) -> bool:
+        """Hand the descriptor of shared segment ``number`` to the peer; False if its queue stayed
+        full until ``deadline``. Raises ``OSError`` (``ECONNREFUSED``...) if the peer is gone."""
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _FD.pack(fd))]
+        while True:
+            try:
+                self.socket.sendmsg([_SEGMENT + str(number).encode()], rights, socket.MSG_DONTWAIT)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_FULL_QUEUE_WAIT_MS / 1000)
+
+    def take_segment(self, number: int, deadline: float) -> int | None:
+        """The descriptor of shared segment ``number`` from the peer (the group's first rank), or
+        None at ``deadline``. The peer's probes and arrivals queued before it are counted as usual;
+        anything else is dropped and any descriptor it carried closed."""
+        wanted = _SEGMENT + str(number).encode()
+        poller = select.poll()
+        poller.register(self.socket, select.POLLIN)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if not poller.poll(1000 * min(remaining, _PROBE_EVERY)):
                 continue
-            why = self._problem(*received)
-            if why is None:  # a probe, or an arrival whose user or group reads differently here
-                if received[0] != _PROBE:
-                    self.arrived += 1
+            try:
+                data, ancillary, flags, sender = self.socket.recvmsg(
+                    len(wanted) + 1, _SEGMENT_ANCILLARY_BYTES, socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:
                 continue
-            self.dropped += 1
-            self.last_problem = problem = why
-            _log.debug("shared-memory barrier for rank %d: dropped a datagram (%s)", self.peer, why)
+            fds = _received_fds(ancillary)
+            pid = _sender_pid(ancillary)
+            intact = not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)
+            if data == wanted and len(fds) == 1 and intact and sender == self.address and pid == self.pid:
+                return fds[0]
+            for fd in fds:
+                os.close(fd)
+            if fds or data.startswith(_SEGMENT):
+                self.dropped += 1
+                self.last_problem = f"a segment message that is not rank {self.peer}'s segment {number}"
+                continue
+            credentials = [c for c in ancillary if c[1] == socket.SCM_CREDENTIALS]
+            self._count((data, credentials, flags, sender))
 
     def _problem(self, data: bytes, ancillary: list, flags: int, sender: object) -> str | None:
         """Why a datagram is not the peer's barrier message, or None if it is."""
@@ -174,6 +261,16 @@ class _PeerLink:
         if data != self.message and data != _PROBE:
             return f"says {data.hex()}, neither rank {self.peer}'s arrival nor a probe"
         return None
+
+
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an ``SCM_RIGHTS`` record brought into this process (the caller owns them)."""
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % _FD.size
+            fds.extend(fd for (fd,) in _FD.iter_unpack(payload[:usable]))
+    return fds
 
 
 def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
@@ -236,6 +333,7 @@ class ShmAllReduce(AllReduceAlgorithm):
         self.chunk_bytes = _round_up(chunk_bytes, 64)
         self.timeout = default_collective_timeout() if timeout is None else timeout
         self._generation = 0
+        self._segments_made = 0
         self._segments: list[_Segment] = []  # [0]: the staging slots; then registered buffers
         self._peer_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._deferred: list[tuple[torch.Tensor, int]] = []
@@ -296,27 +394,52 @@ class ShmAllReduce(AllReduceAlgorithm):
 
     # -- shared segments ---------------------------------------------------------------------------
     def _map(self, size: int, what: str) -> mmap.mmap:
-        """Create (first rank) and map (every rank) a zero-filled shared file of ``size`` bytes."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-        path = os.path.join(folder, f"spread-shm-{self._secret(what).hex()}")
+        """A zero-filled shared mapping of ``size`` bytes, created by the first rank and handed to
+        every rank as a descriptor: it never has a name (collective)."""
+        number = self._segments_made
+        self._segments_made += 1
+        fd = -1
         try:
+            failure = 0
             if self.rank == 0:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
+                    fd = os.memfd_create(f"spread-shm-{number}", os.MFD_CLOEXEC)
                     os.ftruncate(fd, size)
-                finally:
-                    os.close(fd)
-            self.collectives.barrier(name=f"{what}.create")
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            self.collectives.barrier(name=f"{what}.attach")
+                except OSError as exc:
+                    failure = exc.errno or errno.EIO
+            status = torch.tensor([failure], dtype=torch.int64, device=self.collectives.device)
+            self.collectives.broadcast(status, src=self.peers[0], name=f"{what}.create")
+            if int(status.item()):
+                raise _segment_error(int(status.item()), size)
+            deadline = time.monotonic() + self.timeout
+            if self.rank == 0:
+                for link in self._links:
+                    self._hand_over(link, number, fd, deadline, what)
+            else:
+                received = self._links[0].take_segment(number, deadline)  # links[0]: the first rank's
+                if received is None:
+                    raise CollectiveTimeout(
+                        self.rank, what, self._generation, "rank 0 did not hand over the shared segment"
+                    )
+                fd = received
+            return mmap.mmap(fd, size)
         finally:
-            if self.rank == 0 and os.path.exists(path):
-                os.unlink(path)  # every rank has it mapped (or the setup failed): nothing to leave behind
-        return mm
+            if fd >= 0:
+                os.close(fd)  # the mapping keeps the memory; the last one to go frees it
+
+    def _hand_over(self, link: _PeerLink, number: int, fd: int, deadline: float, what: str) -> None:
+        try:
+            sent = link.send_segment(number, fd, deadline)
+        except OSError as exc:
+            if exc.errno not in _PEER_GONE:
+                raise
+            raise PeerLostError(
+                self.rank, what, self._generation, f"rank {link.peer} left", peer=link.peer
+            ) from None
+        if not sent:
+            raise CollectiveTimeout(
+                self.rank, what, self._generation, f"rank {link.peer}'s barrier queue stayed full"
+            )
 
     def _new_segment(self, region_bytes: int) -> _Segment:
         region_bytes = _round_up(max(region_bytes, 64), _ALIGN)
