@@ -76,7 +76,15 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
         raise CaptureError(f"no such script: {path}")
     original_fit = Trainer.fit
 
-    def fit(self: Trainer, train_data: Any, *, global_batch_size: int = 32, **_: Any) -> Any:
+    def fit(
+        self: Trainer,
+        train_data: Any,
+        *,
+        global_batch_size: int | None = None,
+        batch_size: int | None = None,
+        **_: Any,
+    ) -> Any:
+        global_batch_size = global_batch_size or batch_size or 32  # Keras' batch_size is the global batch
         if self.loss_fn is None:
             raise CaptureError(
                 "spread plan profiles models trained on (inputs, targets) with a loss_fn; this script's "

@@ -34,14 +34,28 @@ from spread.strategies import Strategy, make_strategy
 from spread.train import rng
 from spread.train.callbacks import Callback, CallbackList, History, ProgressBar
 from spread.train.coordinated import check_coordinated, fit_coordinated
+from spread.train.fit_inputs import split_for_validation, with_sample_weight
 from spread.train.lr_schedule import LRSchedule, SchedulerArg
 from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 from spread.train.out_of_memory import explained_out_of_memory
 from spread.train.outputs import loss_of, prediction_of
 from spread.train.precision import Precision, check_precision
+from spread.train.weighting import class_weight_table, class_weights_of, per_sample_loss, weighted_mean
 
 NONFINITE_POLICIES = ("raise", "skip_step")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _global_batch_size(global_batch_size: int | None, batch_size: int | None) -> int:
+    """``fit``'s global batch: ``global_batch_size``, or Keras' ``batch_size`` (global under
+    tf.distribute too), default 32."""
+    if global_batch_size is not None and batch_size is not None and global_batch_size != batch_size:
+        raise ValueError(
+            f"fit got global_batch_size={global_batch_size} and batch_size={batch_size}: they name the same "
+            f"thing (the global batch, as Keras' batch_size under tf.distribute); pass one"
+        )
+    chosen = global_batch_size if global_batch_size is not None else batch_size
+    return 32 if chosen is None else chosen
 
 
 def _check_clip(name: str, value: Any) -> float | None:
@@ -149,6 +163,7 @@ class Trainer:
         self._data_config: dict[str, Any] = {}  # the running fit's data order (seed, shuffle)
         self._starting = False  # inside the callbacks' on_train_begin
         self._pending_callback_states: dict[str, Any] | None = None  # restored, not yet given back
+        self._class_weights: torch.Tensor | None = None  # the running fit's class_weight table
         self.history = History()
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         self._fit_callbacks: list[Callback] = []  # the running fit's callbacks, on this rank or not
@@ -177,9 +192,13 @@ class Trainer:
     def _forward(self, batch: Batch) -> Any:
         return self.model(**batch.inputs) if batch.as_keywords else self.model(batch.inputs)
 
-    def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_loss(
+        self, batch: Batch, class_weights: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prediction, mean loss)`` of a non-empty batch; for an empty one a zero loss that still
-        reaches every parameter (a replica with no samples takes part in the gradient exchange)."""
+        reaches every parameter (a replica with no samples takes part in the gradient exchange).
+        Sample weights (the batch's, times ``class_weights`` of its targets) weigh each sample's loss
+        as Keras does (:mod:`spread.train.weighting`)."""
         if batch.size == 0 and batch.as_keywords:
             # Hugging Face models cannot run an empty batch: no forward, zero gradients.
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -187,6 +206,15 @@ class Trainer:
             return zero.reshape(1), zero
         if batch.size and self.loss_fn is not None and batch.targets is None:
             raise ValueError("Trainer got a batch without 'labels' and a loss_fn: the loss_fn has no targets")
+        weights = batch.weights
+        if class_weights is not None and batch.size:
+            by_class = class_weights_of(class_weights, batch.targets)
+            weights = by_class if weights is None else weights.to(by_class.device) * by_class
+        if weights is not None and self.loss_fn is None:
+            raise ValueError(
+                "sample or class weights weigh each sample's loss, but Trainer(loss_fn=None) takes the "
+                "model's own mean loss: pass a loss_fn"
+            )
         with self.forward_context():
             output = self._forward(batch)
             prediction = prediction_of(output)
@@ -194,6 +222,9 @@ class Trainer:
                 return prediction, prediction.sum() * 0.0
             if self.loss_fn is None:
                 return prediction, loss_of(output)
+            if weights is not None:
+                losses = per_sample_loss(self.loss_fn, prediction, batch.targets)
+                return prediction, weighted_mean(losses, weights)
             return prediction, self.loss_fn(prediction, batch.targets)
 
     def forward_context(self) -> AbstractContextManager[Any]:
@@ -205,7 +236,7 @@ class Trainer:
         b = as_batch(batch, who="Trainer")
         if self.accumulation_steps > 1:
             return self._accumulate_replica_step(b)
-        prediction, loss = self._forward_loss(b)
+        prediction, loss = self._forward_loss(b, self._class_weights)
         self.precision.scale(loss).backward()
         return self.batch_stats(prediction, b.targets, loss, b.size)
 
@@ -213,10 +244,9 @@ class Trainer:
         """Micro-batches of this replica's slice; each mean loss weighted by its share of the slice
         (see spread.memory.accumulation); only the last backward exchanges gradients."""
         stats = None
-        whole = batch.inputs if batch.as_keywords else (batch.inputs, batch.targets)
-        for micro in micro_batches(whole, self.accumulation_steps, strategy=self.strategy):
+        for micro in micro_batches(batch.as_data(), self.accumulation_steps, strategy=self.strategy):
             part_batch = as_batch(micro.data, who="Trainer")
-            prediction, loss = self._forward_loss(part_batch)
+            prediction, loss = self._forward_loss(part_batch, self._class_weights)
             micro.backward(self.precision.scale(loss))
             part = self.batch_stats(prediction, part_batch.targets, loss, part_batch.size)
             stats = part if stats is None else stats + part
@@ -240,14 +270,18 @@ class Trainer:
         train_data: Any,
         *,
         epochs: int = 1,
-        global_batch_size: int = 32,
+        global_batch_size: int | None = None,
+        batch_size: int | None = None,
         validation_data: Any = None,
+        validation_split: float | None = None,
         validation_batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_remainder: bool = False,
         steps_per_epoch: int | None = None,
         initial_epoch: int = 0,
+        class_weight: Mapping[int, float] | None = None,
+        sample_weight: Any = None,
         callbacks: Sequence[Callback] | None = None,
         verbose: int = 1,
     ) -> History:
@@ -255,11 +289,32 @@ class Trainer:
 
         Every rank must call ``fit`` with the same arguments. Returns the History callback, whose
         ``history`` maps each log name to its per-epoch values (identical on every rank).
+
+        Keras' arguments mean what they mean there: ``batch_size`` is the global batch (as under
+        tf.distribute; default 32), ``validation_split`` holds out the last fraction of tensor data
+        before shuffling, ``class_weight`` (``{class index: weight}``, training only) and
+        ``sample_weight`` (one per sample of tensor data; a dataset yields ``(x, y, sample_weight)``
+        instead) weigh each sample's loss, which needs a ``loss_fn`` that can give one
+        (:mod:`spread.train.weighting`). ``steps_per_epoch`` beyond the data ends each epoch when
+        the data runs out, with a warning, as Keras does.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if not 0 <= initial_epoch < epochs:
             raise ValueError(f"initial_epoch must be in [0, epochs), got {initial_epoch!r}")
+        global_batch_size = _global_batch_size(global_batch_size, batch_size)
+        if sample_weight is not None:
+            train_data = with_sample_weight(train_data, sample_weight)
+        if validation_split is not None:
+            if validation_data is not None:
+                raise ValueError("fit got both validation_data and validation_split: pass one of them")
+            train_data, validation_data = split_for_validation(train_data, validation_split)
+        self._class_weights = class_weight_table(class_weight)
+        if (self._class_weights is not None or sample_weight is not None) and self.loss_fn is None:
+            raise ValueError(
+                "class_weight and sample_weight weigh each sample's loss, but Trainer(loss_fn=None) takes "
+                "the model's own mean loss: pass a loss_fn"
+            )
         self._data_config = {"seed": seed, "shuffle": shuffle}
         if self.coordinator is not None:
             return self._fit_coordinated(
@@ -279,6 +334,14 @@ class Trainer:
         )
         steps = len(train) if hasattr(train.dataset, "__len__") else None
         if steps_per_epoch is not None:
+            if steps is not None and steps_per_epoch > steps:
+                warnings.warn(
+                    f"steps_per_epoch={steps_per_epoch} is more than the {steps} batches of the data: each "
+                    f"epoch ends after {steps} steps, when the data runs out (as in Keras). Repeat the data "
+                    f"yourself for longer epochs; a schedule sized for {steps_per_epoch} steps per epoch "
+                    f"will not reach its end",
+                    stacklevel=2,
+                )
             steps = min(steps, steps_per_epoch) if steps is not None else steps_per_epoch
         cbs = self._start_fit(epochs, steps, global_batch_size, verbose, callbacks, progress=bool(verbose))
         self.train_dataset = train
@@ -296,6 +359,7 @@ class Trainer:
         finally:
             cbs.call("on_fit_exit")
             self.active_callbacks = []
+            self._class_weights = None
 
     def _fit_coordinated(
         self,
@@ -334,6 +398,7 @@ class Trainer:
         finally:
             cbs.call("on_fit_exit")
             self.active_callbacks = []
+            self._class_weights = None
 
     def _start_fit(
         self,
