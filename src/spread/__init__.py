@@ -33,6 +33,9 @@ _EXPORTS = {
     "ReplicaContext": "spread.strategies",
     "get_replica_context": "spread.strategies",
     "get_strategy": "spread.strategies",
+    "ReduceOp": "spread.strategies.tf_compat",
+    "InputContext": "spread.strategies.tf_compat",
+    "compute_average_loss": "spread.strategies.tf_compat",
     "Trainer": "spread.train",
     "callbacks": "spread.callbacks",
     "ClusterSpec": "spread.cluster",
@@ -49,13 +52,16 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "InputContext",
     "PipelineStrategy",
+    "ReduceOp",
     "ReplicaContext",
     "ShardedStrategy",
     "Strategy",
     "Trainer",
     "__version__",
     "callbacks",
+    "compute_average_loss",
     "errors",
     "get_replica_context",
     "get_strategy",
@@ -80,6 +86,7 @@ if TYPE_CHECKING:  # pragma: no cover
         get_replica_context,
         get_strategy,
     )
+    from spread.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
     from spread.train import Trainer
 
 

@@ -26,11 +26,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from spread.cluster import ClusterSpec
 from spread.data import DataChannel, DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
 from spread.memory.measure import ActivationMeter
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
-from spread.strategies import checkpointing
+from spread.strategies import checkpointing, tf_compat
 from spread.strategies.checkpointing import Restored, StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.context import (
@@ -272,6 +273,35 @@ class Strategy(abc.ABC):
     def local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this process's replicas as a tuple."""
         return value.values if isinstance(value, PerReplica) else (value,)
+
+    # -- tf.distribute's names, for translated scripts (spread.strategies.tf_compat) ----------------
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> DistributedDataset:
+        """TensorFlow's name: ``dataset`` is a ``DataLoader`` batched by the *global* batch size (its
+        ``shuffle`` and ``drop_last`` kept); each batch is split over the replicas."""
+        return tf_compat.distribute_global_batches(self, dataset)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[tf_compat.InputContext], Any], options: Any = None
+    ) -> Any:
+        """TensorFlow's: ``dataset_fn(input_context)`` builds this process's own batches of the
+        *per-replica* batch size (shard by ``input_context.input_pipeline_id``); a step takes one
+        batch per local replica."""
+        return tf_compat.datasets_from_function(self, self._layout, dataset_fn)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """TensorFlow's name for :meth:`local_results`."""
+        return self.local_results(value)
+
+    @property
+    def cluster_resolver(self) -> tf_compat.ClusterResolver | None:
+        """This task's type and index in the cluster (TF's multi-worker scripts pick the chief with
+        them); None in a single process, as in TensorFlow."""
+        spec = self._cluster_spec()
+        return None if spec is None else tf_compat.ClusterResolver.of(spec)
+
+    def _cluster_spec(self) -> ClusterSpec | None:
+        """The cluster this strategy's processes form; None in a single process (the default)."""
+        return None
 
     # -- data --------------------------------------------------------------------------------------
     def distribute_dataset(

@@ -130,6 +130,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._buffer_weight = 1.0 / self.collectives.world_size  # this rank's share of the last step
         self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
 
+    def _cluster_spec(self) -> ClusterSpec:
+        return self.cluster
+
     def _make_statistics_sum(self):
         """With ``sync_batchnorm``: a process group of its own for BatchNorm's statistics (made by
         every rank in the same order, here in the constructor) and the sum over it."""

@@ -184,6 +184,9 @@ class ParameterServerStrategy(Strategy):
         self._at_exit = close_at_exit(f"{task}: ParameterServerStrategy", self._close_at_exit)
 
     # -- topology ----------------------------------------------------------------------------------
+    def _cluster_spec(self) -> ClusterSpec:
+        return self.cluster
+
     @property
     def num_replicas_in_sync(self) -> int:
         return self.cluster.world_size if self.mode == "sync" else 1

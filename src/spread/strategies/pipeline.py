@@ -227,6 +227,9 @@ class PipelineStrategy(Strategy):
         self._tied: TiedGradients | None = None
         self._state_guard: StaleStateGuard | None = None
 
+    def _cluster_spec(self) -> ClusterSpec:
+        return self.cluster
+
     def _join(
         self, stages: int, replicas: int, init_timeout: float | None, collective_timeout: float | None
     ) -> None:
