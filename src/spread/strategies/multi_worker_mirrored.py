@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
+from spread.cluster.threads import share_cores
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_algorithm
 from spread.comm.bucketing import COMPRESSIONS
@@ -97,6 +98,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.communication = communication
         self.bucket_cap_mb = bucket_cap_mb
         self.cluster = cluster if cluster is not None else resolve_cluster()
+        share_cores(self.cluster)  # several processes on this host, no launcher: not every core each
         if self.cluster.rank < 0:
             raise SpreadError(
                 f"a {self.cluster.role} task is not part of synchronous training; "

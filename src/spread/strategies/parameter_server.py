@@ -59,6 +59,7 @@ from spread import env
 from spread.checkpoint import CheckpointManager
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import default_init_timeout
+from spread.cluster.threads import share_cores
 from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy
 from spread.errors import ParameterServerError, SpreadError
 from spread.ps.at_exit import close_at_exit
@@ -147,6 +148,7 @@ class ParameterServerStrategy(Strategy):
         self.init_timeout = default_init_timeout() if init_timeout is None else init_timeout
         self.shutdown_timeout = shutdown_timeout
         self.cluster = cluster if cluster is not None else resolve_cluster()
+        share_cores(self.cluster)  # several processes on this host, no launcher: not every core each
         servers = tuple(self.cluster.cluster.get("ps", ()))
         if not servers:
             raise SpreadError(

@@ -67,6 +67,7 @@ from torch import nn
 from spread.checkpoint.optimizer_exchange import broadcast_optimizer_state
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import Rendezvous
+from spread.cluster.threads import share_cores
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import compiled_kind
@@ -193,6 +194,7 @@ class PipelineStrategy(Strategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.record_times = record_times
         self.cluster = cluster if cluster is not None else resolve_cluster()
+        share_cores(self.cluster)  # several processes on this host, no launcher: not every core each
         if self.cluster.world_size != stages * replicas:
             raise WorldSizeError(
                 f"PipelineStrategy(stages={stages}, replicas={replicas}) needs {stages * replicas} "
