@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spread.comm.peers import gone_ranks
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
 # torch 2.13 named the flat collectives ``*_single`` (the old names warn there); torch before 2.13
@@ -40,8 +41,17 @@ def classify_error(rank: int, op: str, seq: int, exc: BaseException) -> Collecti
     if any(m in lower for m in _TIMEOUT_MARKERS):
         return CollectiveTimeout(rank, op, seq, f"no answer from a peer before the deadline ({text})")
     if any(m in lower for m in _LOST_MARKERS):
-        return PeerLostError(rank, op, seq, f"a peer process went away ({text})")
+        return PeerLostError(rank, op, seq, f"{_who_went_away()} ({text})")
     return CollectiveError(rank, op, seq, text)
+
+
+def _who_went_away() -> str:
+    """Names the ranks on this host whose process exited, when the job's processes were recorded."""
+    gone = gone_ranks()
+    if not gone:
+        return "a peer process went away"
+    named = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in gone)
+    return f"a peer process went away: {named} exited"
 
 
 def destroy_group(group: dist.ProcessGroup | None) -> None:

@@ -40,6 +40,7 @@ from spread.comm.bucketing import COMPRESSIONS
 from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.ops import destroy_group
+from spread.comm.peers import record_job_processes
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
 from spread.memory.report import MemoryReport
@@ -118,6 +119,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                     f"says {self.cluster.world_size}"
                 )
             self.collectives = Collectives(device=self._device)
+            record_job_processes(self.collectives)  # a lost peer is then named by rank
             self._reducer: GradientReducer | None = None
             self.algorithm: AllReduceAlgorithm = make_algorithm(
                 communication, self.collectives, local_world_size=self.cluster.local_world_size

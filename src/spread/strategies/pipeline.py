@@ -72,6 +72,7 @@ from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import compiled_kind
 from spread.comm.ops import classify_error, destroy_group
+from spread.comm.peers import record_job_processes
 from spread.data import DataChannel, ReplicaLayout
 from spread.data.batches import inputs_and_targets
 from spread.errors import (
@@ -245,6 +246,7 @@ class PipelineStrategy(Strategy):
         self._rank = dist.get_rank()
         self.stage, self.replica = self._rank % stages, self._rank // stages
         self.world = Collectives(device=self._device)
+        record_job_processes(self.world)  # a lost peer is then named by rank
         # Every rank creates every group, in the same order (torch.distributed requires it).
         groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
         groups += [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
