@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch.distributed as dist
 
@@ -58,6 +63,93 @@ def test_ranks_disagreeing_on_world_size_fail_clearly():
     assert not any(r.ok for r in results)
     messages = " ".join(r.error or "" for r in results)
     assert "did not join" in messages or "disagree on WORLD_SIZE" in messages
+
+
+# Another process of the same user, without the job token: it connects to the job's store as a client
+# (any local user can), and either writes the handshake's predictable key names ("predictable"),
+# lists the keys to forge the arrival of a rank that has not joined yet ("early-arrival"), or
+# overwrites every key the job wrote ("overwrite").
+_ATTACKER = """
+import json, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+attack, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = dist.TCPStore(host, port, None, False, timedelta(seconds=10))
+if attack == "predictable":
+    try:  # the names rank 0 used to write: wait for them so that the forgery lands after rank 0's
+        store.wait(["spread/0/proof"], timedelta(seconds=2))
+    except RuntimeError:
+        pass
+    for key in ("spread/0/nonce", "spread/0/proof", "spread/0/token-check"):
+        store.set(key, "forged")
+    sys.exit(0)
+deadline = time.monotonic() + 30
+while not (arrivals := [k for k in store.list_keys() if k.endswith("/arrived/0")]):
+    if time.monotonic() > deadline:
+        sys.exit("rank 0 never arrived")
+    time.sleep(0.02)
+if attack == "early-arrival":
+    forged = {"world_size": 3, "pid": 1, "host": "forger"}
+    store.set(arrivals[0][: -len("0")] + "1", json.dumps(forged))
+else:
+    for key in store.list_keys():
+        if key.startswith("spread/"):
+            store.set(key, "forged")
+"""
+
+
+def _join_after_an_attack(attack: str) -> dict:
+    """Rank 1 runs the attacker to its end before it joins; rank 0 is already in its rendezvous."""
+    if os.environ["RANK"] == "1":
+        env = {k: v for k, v in os.environ.items() if k != "SPREAD_JOB_TOKEN"}
+        argv = [sys.executable, "-c", _ATTACKER, attack, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]
+        subprocess.run(argv, env=env, check=True, timeout=60, capture_output=True)
+        time.sleep(0.5)  # before the fix, rank 0 read the forgery in this time
+    return _join_and_report()
+
+
+@pytest.mark.processes
+def test_the_old_predictable_handshake_keys_written_by_another_process_do_not_stop_the_job():
+    # Before: rank 1 read the forged nonce and proof and failed with "this process's SPREAD_JOB_TOKEN
+    # does not match the job's" although its token was right.
+    results = launch_ranks(_join_after_an_attack, 2, args=("predictable",), init_timeout=20, timeout=90)
+    assert all(r.ok for r in results), [r.describe() for r in results]
+
+
+@pytest.mark.processes
+def test_an_arrival_forged_by_another_process_is_ignored_and_the_job_starts():
+    # Before: rank 0 read the forged arrival and failed with "ranks disagree on WORLD_SIZE: {0: 2, 1: 3}".
+    results = launch_ranks(_join_after_an_attack, 2, args=("early-arrival",), init_timeout=20, timeout=90)
+    assert all(r.ok for r in results), [r.describe() for r in results]
+
+
+@pytest.mark.processes
+def test_handshake_content_overwritten_by_another_process_is_reported_as_not_written_by_the_job():
+    results = launch_ranks(_join_after_an_attack, 2, args=("overwrite",), init_timeout=6, timeout=90)
+    for r in results:
+        assert r.error and r.error.startswith(RendezvousError.__name__), r.describe()
+        assert "was not written by this job" in r.error, r.describe()
+        assert "another process on this host, or another job using the same MASTER_ADDR" in r.error
+        assert "does not match" not in r.error and "disagree on WORLD_SIZE" not in r.error
+    assert not results[1].error.startswith(JobTokenError.__name__)  # the token is not in question
+    assert "the job handshake" in results[1].error
+    assert "rank(s) [1] of 2 did not join" in results[0].error  # rank 0 names the tampering too
+    assert "the job handshake and the arrival of rank(s) [0]" in results[0].error
+
+
+def test_a_value_not_sealed_with_the_token_reads_as_absent_and_is_named_forged():
+    from spread.cluster.rendezvous import _SealedKeys
+
+    store = dist.HashStore()
+    job, other_token = _SealedKeys(store, "job-token", "spread/0"), _SealedKeys(store, "other", "spread/0")
+    job.set("arrived/0", "payload")
+    assert job.read("arrived/0") == "payload" and not job.forged
+    other_token.set("arrived/0", "payload")  # a valid-looking seal, made without the job's token
+    assert job.read("arrived/0") is None and job.forged == {"arrived/0"}
+    store.set("arrived/1", job.store.get("arrived/0"))  # a sealed value moved to another key
+    assert job.read("arrived/1") is None and "arrived/1" in job.forged
+    assert job.read("never-written") is None and "never-written" not in job.forged
 
 
 def test_unreachable_store_names_the_address(monkeypatch):

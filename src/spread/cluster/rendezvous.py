@@ -9,8 +9,15 @@ store. Here:
   client; without one, rank 0 hosts it on a socket bound to ``MASTER_ADDR`` only (loopback by
   default), and a rank waiting for it says so every few seconds;
 * every key lives under ``spread/<attempt>/``, so restarted attempts never meet stale keys;
-* rank 0 publishes a nonce and an HMAC of it under the job token; other ranks verify it before they
-  write anything, so a process with the wrong token is refused and leaves no trace in the job;
+* the handshake's keys live under a prefix derived from the job token (an HMAC), so a process without
+  the token cannot name them in advance, and every value they hold carries an HMAC of the token over
+  its key and content: any local user can connect to the store, list its keys and overwrite them, but
+  what they write is told apart from the job's own, and the error says so instead of blaming the
+  token or the world size. Without ``SPREAD_JOB_TOKEN`` the token is a public default and none of this
+  holds;
+* rank 0 publishes a nonce under the job's prefix; other ranks wait for it before they write
+  anything, so a process with the wrong token is refused at the deadline and leaves no trace in the
+  job. Rank 0 also publishes a token check under a fixed name, only to tell such a process why;
 * each rank announces itself; a rank that does not arrive within ``init_timeout`` is named.
 """
 
@@ -64,6 +71,67 @@ def default_collective_timeout() -> float:
 
 def _proof(token: str, nonce: str) -> str:
     return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def _job_prefix(token: str) -> str:
+    """The prefix of the job's keys: only a holder of the token can name them before they exist."""
+    return hmac.new(token.encode(), b"spread store keys", hashlib.sha256).hexdigest()[:32]
+
+
+class _SealedKeys:
+    """The job's handshake keys, each value stored with an HMAC of the token over its key and content.
+
+    Any local user can list the store's keys and overwrite them; a value not sealed with the token
+    reads as absent (the job's own write may still replace it) and its key is kept in ``forged`` so
+    that a deadline can say the store's content was not written by this job.
+    """
+
+    def __init__(self, store: dist.Store, token: str, scope: str) -> None:
+        self.store, self._token, self._scope = store, token.encode(), scope
+        self.forged: set[str] = set()
+
+    def _seal(self, key: str, payload: str) -> str:
+        message = f"spread store value\0{self._scope}/{key}\0{payload}".encode()
+        return hmac.new(self._token, message, hashlib.sha256).hexdigest()
+
+    def set(self, key: str, payload: str) -> None:
+        self.store.set(key, f"{self._seal(key, payload)} {payload}")
+
+    def read(self, key: str) -> str | None:
+        """The payload under ``key``; ``None`` while it is absent or not sealed with the job token."""
+        if not self.store.check([key]):
+            self.forged.discard(key)
+            return None
+        seal, _, payload = self.store.get(key).decode(errors="replace").partition(" ")
+        if not hmac.compare_digest(seal, self._seal(key, payload)):
+            self.forged.add(key)
+            return None
+        self.forged.discard(key)
+        return payload
+
+
+def _forged_content(keys: _SealedKeys, world_size: int) -> str:
+    """What of the job's handshake in the store now holds values the job did not write ("" if none):
+    read again at a deadline, since a forgery may replace what a rank read as genuine earlier."""
+    try:
+        keys.read("handshake")
+        for r in range(world_size):
+            keys.read(f"arrived/{r}")
+    except (RuntimeError, dist.DistError):  # the store is gone: the deadline's own message says enough
+        return ""
+    forged_ranks = [r for r in range(world_size) if f"arrived/{r}" in keys.forged]
+    parts = ["the job handshake"] if "handshake" in keys.forged else []
+    parts += [f"the arrival of rank(s) {forged_ranks}"] if forged_ranks else []
+    return " and ".join(parts)
+
+
+def _not_written_by_the_job(spec: ClusterSpec, what: str) -> str:
+    return (
+        f"the rendezvous store at {spec.master_addr}:{spec.master_port} holds content that was not written "
+        f"by this job ({what}, without the job token's HMAC): another process on this host, or another job "
+        f"using the same MASTER_ADDR:MASTER_PORT, wrote to the store. Give each job a port of its own; on a "
+        f"shared host any local user can reach the store"
+    )
 
 
 def _is_loopback(addr: str) -> bool:
@@ -159,52 +227,91 @@ def _open_store(spec: ClusterSpec, timeout: float) -> dist.TCPStore:
     return _connect_store(spec, timeout)
 
 
-def _check_token(store: dist.Store, spec: ClusterSpec, token: str, timeout: float) -> None:
+def _token_check_differs(store: dist.Store, token: str) -> bool:
+    """Whether the fixed-name token check holds a handshake made with another token (or forged)."""
+    if not store.check(["token-check"]):
+        return False
+    nonce, _, proof = store.get("token-check").decode(errors="replace").partition(" ")
+    return not hmac.compare_digest(_proof(token, nonce), proof)
+
+
+def _check_token(store: dist.Store, keys: _SealedKeys, spec: ClusterSpec, token: str, timeout: float) -> None:
+    """Rank 0 publishes the handshake; the others wait for one sealed with their token.
+
+    A rank with another token cannot see the job's handshake at all, and cannot tell rank 0 of a job
+    with another token from a process that wrote the fixed-name check: so it waits until the deadline
+    (saying so) instead of failing at once, which would let any local user stop every start.
+    """
     if spec.rank == 0:
         nonce = secrets.token_hex(16)
-        store.set("nonce", nonce)
-        store.set("proof", _proof(token, nonce))
+        keys.set("handshake", nonce)
+        store.set("token-check", f"{nonce} {_proof(token, nonce)}")
         return
-    try:
-        store.wait(["proof"], timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise RendezvousError(
-            f"rank {spec.rank}: rank 0 did not publish the job handshake within {timeout:.0f}s"
-        ) from exc
-    nonce = store.get("nonce").decode()
-    expected = store.get("proof").decode()
-    if not hmac.compare_digest(_proof(token, nonce), expected):
+    deadline = time.monotonic() + timeout
+    told = False
+    while (handshake := keys.read("handshake")) is None and time.monotonic() < deadline:
+        if not told and _token_check_differs(store, token):
+            told = True
+            print(
+                f"spread: rank {spec.rank}: the store at {spec.master_addr}:{spec.master_port} holds a job "
+                f"handshake made with another {TOKEN_ENV} (or by a process outside the job); waiting up to "
+                f"{timeout:.0f}s for one made with this process's token",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(0.02)
+    if handshake is not None:
+        return
+    if "handshake" in keys.forged:
+        raise RendezvousError(f"rank {spec.rank}: {_not_written_by_the_job(spec, 'the job handshake')}")
+    if _token_check_differs(store, token):
         raise JobTokenError(
-            f"rank {spec.rank}: refused by the job at {spec.master_addr}:{spec.master_port}: this process's "
-            f"{TOKEN_ENV} does not match the job's. Start every process of a job with the same token "
-            f"(`spread run` sets it for local jobs)."
+            f"rank {spec.rank}: no job started with this process's {TOKEN_ENV} published its handshake at "
+            f"{spec.master_addr}:{spec.master_port} within {timeout:.0f}s, but one made with another token "
+            f"is there: this process's {TOKEN_ENV} does not match the job's (unless a process outside the "
+            f"job wrote that handshake). Start every process of a job with the same token (`spread run` "
+            f"sets it for local jobs)."
         )
+    if store.check(["token-check"]):  # rank 0 with this token was there: its handshake was removed
+        raise RendezvousError(
+            f"rank {spec.rank}: rank 0 published the job handshake at {spec.master_addr}:{spec.master_port} "
+            f"but it is gone from the store: a process outside the job (on this host, or another job using "
+            f"the same MASTER_ADDR:MASTER_PORT) removed it"
+        )
+    raise RendezvousError(f"rank {spec.rank}: rank 0 did not publish the job handshake within {timeout:.0f}s")
 
 
-def _announce_and_wait(store: dist.Store, spec: ClusterSpec, timeout: float) -> None:
+def _announce_and_wait(keys: _SealedKeys, spec: ClusterSpec, timeout: float) -> None:
     me = {"world_size": spec.world_size, "pid": os.getpid(), "host": socket.gethostname()}
-    store.set(f"arrived/{spec.rank}", json.dumps(me))
+    keys.set(f"arrived/{spec.rank}", json.dumps(me))
     # Rank 0 hosts the store: it waits a little longer so the others can still read it when they give up.
     deadline = time.monotonic() + timeout + (1.0 if spec.rank == 0 else 0.0)
+    sizes: dict[int, int] = {}
     missing = list(range(spec.world_size))
     while missing:
         try:
-            missing = [r for r in missing if not store.check([f"arrived/{r}"])]
+            for r in missing:
+                payload = keys.read(f"arrived/{r}")
+                if payload is not None:
+                    sizes[r] = json.loads(payload)["world_size"]
         except (RuntimeError, dist.DistError) as exc:
             raise RendezvousError(
                 f"rank {spec.rank}: lost the rendezvous store at {spec.master_addr}:{spec.master_port} "
                 f"while waiting for rank(s) {missing} of {spec.world_size} to join (did rank 0 exit?)"
             ) from exc
+        missing = [r for r in missing if r not in sizes]
         if not missing:
             break
         if time.monotonic() >= deadline:
-            raise RendezvousError(
+            message = (
                 f"rank {spec.rank}: rank(s) {missing} of {spec.world_size} did not join "
                 f"within {timeout:.0f}s at {spec.master_addr}:{spec.master_port}"
             )
+            if forged := _forged_content(keys, spec.world_size):
+                message += f"; {_not_written_by_the_job(spec, forged)}"
+            raise RendezvousError(message)
         time.sleep(0.02)
-    keys = [f"arrived/{r}" for r in range(spec.world_size)]
-    sizes = {r: json.loads(store.get(k))["world_size"] for r, k in enumerate(keys)}
+    sizes = dict(sorted(sizes.items()))
     if len(set(sizes.values())) > 1:
         raise RendezvousError(f"rank {spec.rank}: ranks disagree on WORLD_SIZE: {sizes}")
 
@@ -227,8 +334,9 @@ def rendezvous(
     """Join the job described by ``spec`` and initialise the default process group.
 
     Raises :class:`JobTokenError` when the token does not match, :class:`RendezvousError` when the
-    store is unreachable, ranks are missing after ``init_timeout`` seconds, or ranks disagree on the
-    world size. Must be called once per process, by every rank of the training group.
+    store is unreachable, ranks are missing after ``init_timeout`` seconds, ranks disagree on the
+    world size, or the store holds handshake content that the job did not write. Must be called once
+    per process, by every rank of the training group.
     """
     if dist.is_initialized():
         raise RendezvousError("torch.distributed is already initialised in this process")
@@ -238,14 +346,15 @@ def rendezvous(
     if _is_loopback(spec.master_addr):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     tcp = _open_store(spec, init_timeout)
-    attempt_store = dist.PrefixStore(f"spread/{spec.restart_count}", tcp)
+    scope = f"spread/{spec.restart_count}"
+    attempt_store = dist.PrefixStore(scope, tcp)
+    job_store = dist.PrefixStore(_job_prefix(token), attempt_store)
+    keys = _SealedKeys(job_store, token, scope)
     phase = "the job-token handshake"
     try:
-        _check_token(attempt_store, spec, token, init_timeout)
-        namespace = hashlib.sha256(token.encode()).hexdigest()[:16]
-        job_store = dist.PrefixStore(namespace, attempt_store)
+        _check_token(attempt_store, keys, spec, token, init_timeout)
         phase = "the arrival check"
-        _announce_and_wait(job_store, spec, init_timeout)
+        _announce_and_wait(keys, spec, init_timeout)
         phase = f"{backend} process-group setup"
         dist.init_process_group(
             backend,
