@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from spread.cluster import resolve_cluster
 from spread.cluster.rendezvous import rendezvous
 from spread.errors import JobTokenError, RendezvousError
 from spread.testing import launch_ranks
+from spread.testing.time_budget import budget
 
 
 def _join_and_report() -> dict:
@@ -53,8 +55,10 @@ def test_wrong_token_is_refused_and_writes_nothing():
 def test_missing_rank_is_named_within_the_deadline():
     results = launch_ranks(_join_and_report, 2, env={"WORLD_SIZE": "3"}, init_timeout=3, timeout=60)
     for r in results:
-        assert r.error and "rank(s) [2] of 3 did not join within 3s" in r.error, r.describe()
-        assert r.seconds < 30
+        # within the init timeout, which the harness scales on a busy machine (3 s on an idle one)
+        missing = r"rank\(s\) \[2\] of 3 did not join within \d+(\.\d+)?s"
+        assert r.error and re.search(missing, r.error), r.describe()
+        assert r.seconds < budget(30)
 
 
 @pytest.mark.processes
