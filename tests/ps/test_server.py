@@ -122,6 +122,39 @@ def test_staleness_bound_holds_back_a_fast_worker(cluster):
     _push(client, placement, "w0s2", worker=0, step=2, wait=5)
 
 
+def test_a_stale_gradient_is_scaled_by_how_many_updates_overtook_it(cluster):
+    """Two workers (W = 2): worker 1's gradient, computed on version 0 after worker 0 pushed 5
+    times, is 5 updates old and applied at 2 / (5 + 1) = 1/3; one overtaken by a single update (the
+    usual staleness of 2 workers) is applied whole."""
+    _, client, placement = cluster
+    _create(client, placement, num_workers=2)
+    client.pull(placement, ["a", "b"])  # worker 1's copy: version 0
+    stale_base = dict(client.versions)
+    for step in range(5):  # worker 0, from another client in the real job
+        _push(client, placement, f"w0-{step}", step=step)
+    client.versions = stale_base
+    fresh = _push(client, placement, "w1-0", worker=1)
+    torch.testing.assert_close(fresh["a"], torch.full((4,), -5.0 - 1.0 / 3.0))
+    worker_1_base = dict(client.versions)  # version 6: what worker 1 received
+    _push(client, placement, "w0-5", step=5)
+    client.versions = worker_1_base
+    usual = _push(client, placement, "w1-1", worker=1, step=1)  # overtaken by one update: whole
+    torch.testing.assert_close(usual["a"], torch.full((4,), -7.0 - 1.0 / 3.0))
+    stats = client.stats()
+    assert [s["damped"] for s in stats] == [1, 1] and [s["max_staleness_seen"] for s in stats] == [5, 5]
+
+
+def test_stale_gradients_apply_keeps_every_gradient_whole(cluster):
+    _, client, placement = cluster
+    _create(client, placement, num_workers=2, stale_gradients="apply")
+    client.pull(placement, ["a", "b"])
+    stale_base = dict(client.versions)
+    for step in range(5):
+        _push(client, placement, f"w0-{step}", step=step)
+    client.versions = stale_base
+    assert torch.equal(_push(client, placement, "w1-0", worker=1)["a"], torch.full((4,), -6.0))
+
+
 def test_a_dead_server_is_named_within_the_timeout(cluster):
     servers, client, placement = cluster
     _create(client, placement)

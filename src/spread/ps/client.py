@@ -60,6 +60,9 @@ class PSClient:
         # Room for several threads' calls at once: a sync-mode push blocks its pool thread until the
         # round completes, and threads of one process (tests, the coordinator) may push concurrently.
         self._pool = ThreadPoolExecutor(max_workers=8 * len(addresses), thread_name_prefix="spread-ps-client")
+        # Each server's version of the dense values this process last received (pull or push answer):
+        # a push says which version its gradient was computed on, so stale ones can be scaled.
+        self.versions: dict[int, int] = {}
 
     @property
     def num_servers(self) -> int:
@@ -142,6 +145,7 @@ class PSClient:
 
         calls = {s: pull(keys) for s, keys in per_server.items()}
         answers = self._each(calls)
+        self._note_versions(answers)
         by_key = {k: v for _, tensors in answers.values() for k, v in tensors.items()}
         return {
             name: torch.cat([by_key[s.key] for s in placement.shards[name]])
@@ -210,6 +214,7 @@ class PSClient:
                 "sparse": [],
                 "pull": [],
                 **({"wait": wait} if wait is not None else {}),
+                **({"base": self.versions[s]} if s in self.versions else {}),
             }
             for s in range(self.num_servers)
         }
@@ -239,8 +244,15 @@ class PSClient:
 
         calls = {s: push(s) for s in range(self.num_servers)}
         answers = self._each(calls)
+        self._note_versions({s: answers[s] for s in answers if metas[s]["pull"]})
         by_key = {k: v for _, t in answers.values() for k, v in t.items()}
         return {name: by_key[placement.shards[name][0].key] for name in pull}
+
+    def _note_versions(self, answers: Mapping[int, Message]) -> None:
+        """Remember the version of the values each answering server sent."""
+        for server, (meta, _) in answers.items():
+            if isinstance(meta.get("version"), int):
+                self.versions[server] = meta["version"]
 
     # -- control -----------------------------------------------------------------------------------
     def stats(self, *, ids: bool = False) -> list[dict[str, Any]]:

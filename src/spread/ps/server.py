@@ -14,6 +14,13 @@ Contract with the clients (:mod:`spread.ps.client`):
   sample count); the server sums them in worker order once all arrived, applies one update, and
   only then answers the pushes. ``max_staleness=k`` (async): a push from a worker more than ``k``
   steps ahead of the slowest unfinished worker is answered only when that worker catches up.
+* Stale gradients (async, ``stale_gradients="scale"``, the default): a push says which version of the
+  server's values its gradient was computed on (``base``); one that ``tau`` updates have overtaken
+  is scaled by ``min(1, num_workers / (tau + 1))``. With ``W`` workers a gradient is normally about
+  ``W - 1`` updates old (scale 1); one from a worker the machine descheduled for seconds is damped in
+  proportion, the staleness-dependent learning rate of Zhang, Gupta, Lian and Liu, "Staleness-aware
+  Async-SGD for Distributed Deep Learning" (IJCAI 2016), normalised so that the usual staleness of
+  ``W`` workers keeps the user's learning rate. ``"apply"`` applies every gradient as it is.
 * Every wait has a deadline and fails naming the workers it waited for.
 """
 
@@ -32,6 +39,7 @@ from spread.ps.transports import DEFAULT_TRANSPORT, get_transport
 from spread.ps.wire import Tensors
 
 MODES = ("async", "sync")
+STALE_GRADIENTS = ("scale", "apply")
 DEFAULT_WAIT = 300.0
 
 
@@ -48,7 +56,10 @@ class ParameterServer:
         self.mode = "async"
         self.num_workers = 1
         self.max_staleness: int | None = None
+        self.stale_gradients = "scale"
         self.version = 0  # updates applied (sync: steps applied)
+        self.damped = 0  # async pushes scaled down for staleness
+        self.max_seen_staleness = 0  # the most updates a pushed gradient was behind
         self.applied = 0
         self.duplicates = 0
         self.applied_ids: set[str] = set()
@@ -100,6 +111,10 @@ class ParameterServer:
                 self.num_workers = int(config.get("num_workers", 1))
                 staleness = config.get("max_staleness")
                 self.max_staleness = None if staleness is None else int(staleness)
+                stale = config.get("stale_gradients", "scale")
+                if stale not in STALE_GRADIENTS:
+                    raise RequestRefused(f"stale_gradients must be one of {STALE_GRADIENTS}, got {stale!r}")
+                self.stale_gradients = stale
                 if config.get("optimizer") and self.optimizer is None:
                     self.optimizer = ServerOptimizer(config["optimizer"])
             created = []
@@ -205,16 +220,35 @@ class ParameterServer:
             if values.shape != (rows.numel(), *var.shape[1:]):
                 raise RequestRefused(f"sparse values for {key!r} have shape {tuple(values.shape)}")
 
+    def _staleness_scale(self, meta: dict[str, Any]) -> float:
+        """How much of an async push's gradient to apply (see the module docstring); 1 in sync mode,
+        with ``"apply"``, or when the push does not say which version it was computed on."""
+        base = meta.get("base")
+        if self.mode != "async" or self.stale_gradients != "scale" or not isinstance(base, int):
+            return 1.0
+        staleness = max(0, self.version - base)
+        self.max_seen_staleness = max(self.max_seen_staleness, staleness)
+        scale = min(1.0, self.num_workers / (staleness + 1))
+        if scale < 1.0:
+            self.damped += 1
+        return scale
+
     def _apply(self, meta: dict[str, Any], tensors: Tensors) -> None:
         hyper = meta.get("optimizer") or self.optimizer.spec  # type: ignore[union-attr]
         opt = self.optimizer
         assert opt is not None
+        scale = self._staleness_scale(meta)
+
+        def scaled(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            grad = grad.to(like.dtype)
+            return grad * scale if scale != 1.0 else grad
+
         for key in meta.get("dense", []):
-            opt.apply_dense(key, self.variables[key], tensors[key].to(self.variables[key].dtype), hyper)
+            opt.apply_dense(key, self.variables[key], scaled(tensors[key], self.variables[key]), hyper)
         for key in meta.get("sparse", []):
             rows, values = tensors[f"{key}:rows"], tensors[f"{key}:values"]
             if rows.numel():
-                opt.apply_rows(key, self.variables[key], rows, values.to(self.variables[key].dtype), hyper)
+                opt.apply_rows(key, self.variables[key], rows, scaled(values, self.variables[key]), hyper)
         self.version += 1
         self.applied += 1
 
@@ -308,6 +342,8 @@ class ParameterServer:
             out: dict[str, Any] = {
                 "applied": self.applied,
                 "duplicates": self.duplicates,
+                "damped": self.damped,
+                "max_staleness_seen": self.max_seen_staleness,
                 "version": self.version,
                 "done": sorted(self._done),
                 "failed": sorted(self._failed),

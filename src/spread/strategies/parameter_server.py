@@ -18,7 +18,9 @@ the scope pulls only the rows each batch looks up, and pushes only their gradien
 Modes: ``"async"`` (default) applies each worker's push on arrival; ``"sync"`` waits for every
 training worker's share of step ``t`` (weighted by its sample count) and applies one update, the same
 as one device on the global batch; ``max_staleness=k`` (async) holds back a worker that is more than
-``k`` steps ahead of the slowest unfinished one.
+``k`` steps ahead of the slowest unfinished one. Async servers scale a gradient by how stale it is
+(``stale_gradients="scale"``, the default; :mod:`spread.ps.server` says how and cites the method): a
+worker the machine descheduled for seconds no longer undoes the others' progress when it comes back.
 
 Data: ``distribute_dataset`` splits each global batch over the training tasks in both modes (each
 task reads its own slice, so an async step of one task sees ``global_batch_size / W`` samples).
@@ -67,7 +69,7 @@ from spread.ps.client import DEFAULT_TIMEOUT, PSClient
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.restore import BackupId, StartAnnouncements, resume_point
-from spread.ps.server import serve
+from spread.ps.server import STALE_GRADIENTS, serve
 from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
 from spread.strategies import checkpointing
@@ -99,6 +101,8 @@ class ParameterServerStrategy(Strategy):
     Args:
         mode: ``"async"`` or ``"sync"``.
         max_staleness: with ``"async"``, the most steps a worker may run ahead of the slowest one.
+        stale_gradients: with ``"async"``, ``"scale"`` (default) damps a gradient that more than
+            the usual ``W - 1`` updates overtook, in proportion; ``"apply"`` applies it as it is.
         cluster: the cluster spec; default: resolved from the environment. Must list ``ps`` tasks.
         min_shard_bytes: embedding tables larger than this are split by rows over the servers.
         timeout: seconds for one call to a server; a dead server is reported, named, within it.
@@ -115,6 +119,7 @@ class ParameterServerStrategy(Strategy):
         mode: str = "async",
         *,
         max_staleness: int | None = None,
+        stale_gradients: str = "scale",
         cluster: ClusterSpec | None = None,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
@@ -136,6 +141,8 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"max_staleness must be None or an integer >= 0, got {max_staleness!r}")
         if max_staleness is not None and mode == "sync":
             raise ValueError("max_staleness applies to mode='async' only (sync mode has no staleness)")
+        if stale_gradients not in STALE_GRADIENTS:
+            raise ValueError(f"stale_gradients must be one of {STALE_GRADIENTS}, got {stale_gradients!r}")
         if min_shard_bytes < 1:
             raise ValueError(f"min_shard_bytes must be >= 1, got {min_shard_bytes!r}")
         transport = transport or os.environ.get(env.PS_TRANSPORT, DEFAULT_TRANSPORT)
@@ -144,6 +151,7 @@ class ParameterServerStrategy(Strategy):
         self.transport = transport
         self.mode = mode
         self.max_staleness = max_staleness
+        self.stale_gradients = stale_gradients
         self.min_shard_bytes = min_shard_bytes
         self.init_timeout = default_init_timeout() if init_timeout is None else init_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -310,7 +318,12 @@ class ParameterServerStrategy(Strategy):
         new = place(infos, self.client.num_servers, min_shard_bytes=self.min_shard_bytes)
         self.placement = Placement({**self.placement.shards, **new.shards}, self.client.num_servers)
         if self.is_chief:
-            config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+            config = {
+                "mode": self.mode,
+                "num_workers": self.num_workers,
+                "max_staleness": self.max_staleness,
+                "stale_gradients": self.stale_gradients,
+            }
             self.client.create(new, {i.name: self._variables[i.name] for i in infos}, config)
         self._pull_whole([i.name for i in infos if not i.sparse], wait=self.init_timeout)
         for info in infos:
@@ -495,7 +508,12 @@ class ParameterServerStrategy(Strategy):
                 f"the checkpoint holds {len(servers)} parameter server(s); "
                 f"this job has {self.client.num_servers}"
             )
-        config = {"mode": self.mode, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+        config = {
+            "mode": self.mode,
+            "num_workers": self.num_workers,
+            "max_staleness": self.max_staleness,
+            "stale_gradients": self.stale_gradients,
+        }
         if payload.get("optimizer"):
             config["optimizer"] = payload["optimizer"]
         ledgers = None
