@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol
 
 import grpc
 import zmq
-from _zmq_peers import FakeServer
+from _zmq_peers import FakeServer, curve_client
 
 from spread.ps import grpc_transport as grpc_rpc
 from spread.ps import zmq_transport as zmq_rpc
@@ -57,12 +57,14 @@ _ZMQ_STATUS = {
 
 
 class ZmqRawCaller:
-    """A bare DEALER socket speaking the protocol by hand."""
+    """A bare DEALER socket speaking the protocol by hand; it holds the job's CURVE server key (the
+    session layer behind it is what it tests), whatever token it signs with."""
 
     def __init__(self, address: str) -> None:
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self.sock, TOKEN)
         self.sock.connect(f"tcp://{address}")
         self.session: Session | None = None
 
@@ -107,20 +109,22 @@ class ZmqRawCaller:
 
 
 class ZmqFakeServer:
-    """A ROUTER at a server's address without the token (:class:`_zmq_peers.FakeServer`)."""
+    """A ROUTER at a server's address without the token (:class:`_zmq_peers.FakeServer`), but with
+    the job's CURVE key: what it meets is the session's proof, behind CURVE."""
 
     def __init__(self, mode: str) -> None:
         task = task_frame()
         if mode == "no-handshake":  # speaks the old protocol: opens the stream and sends a task
             self._fake = FakeServer(
-                lambda p: [[p[1], zmq_rpc.STREAM_OPEN], [p[1], zmq_rpc.STREAM_ITEM, task]]
+                lambda p: [[p[1], zmq_rpc.STREAM_OPEN], [p[1], zmq_rpc.STREAM_ITEM, task]], token=TOKEN
             )
         else:  # answers the handshake with a made-up proof, then a task
             self._fake = FakeServer(
                 lambda p: [
                     [p[1], zmq_rpc.WELCOME, *_MADE_UP_WELCOME],
                     [p[1], zmq_rpc.STREAM_ITEM, b"", task],
-                ]
+                ],
+                token=TOKEN,
             )
         self.address = self._fake.address
 

@@ -1,4 +1,8 @@
-"""Hand-made ZeroMQ peers for attack tests: a server without the token, and a recording relay."""
+"""Hand-made ZeroMQ peers for attack tests: a server without the token, and a recording relay.
+
+A peer without the token cannot know the servers' CURVE key, so it cannot even complete ZeroMQ's
+handshake with a client or a server. To test the session layer behind CURVE, a peer may be given the
+key (``token=``): it then gets through ZeroMQ's handshake and meets the session's checks."""
 
 from __future__ import annotations
 
@@ -6,6 +10,22 @@ import threading
 from collections.abc import Callable
 
 import zmq
+
+from spread.ps.zmq_transport import _server_secret_key, server_public_key
+
+
+def curve_client(sock: zmq.Socket, token: str) -> None:
+    """Make ``sock`` a CURVE client of the servers of the job with ``token`` (before connecting)."""
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public_key(token))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+def curve_server(sock: zmq.Socket, token: str) -> None:
+    """Make ``sock`` a CURVE server with the key of the job with ``token`` (before binding)."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, _server_secret_key(token))
 
 
 def _bind(router: zmq.Socket, address: str | None) -> str:
@@ -17,12 +37,20 @@ def _bind(router: zmq.Socket, address: str | None) -> str:
 
 class FakeServer:
     """A process without the token at a server's address: answers each message (the parts after the
-    caller's identity) with the messages ``reply`` returns for it."""
+    caller's identity) with the messages ``reply`` returns for it. Without ``token`` it cannot
+    complete a client's CURVE handshake, so it receives nothing."""
 
-    def __init__(self, reply: Callable[[list[bytes]], list[list[bytes]]], address: str | None = None) -> None:
+    def __init__(
+        self,
+        reply: Callable[[list[bytes]], list[list[bytes]]],
+        address: str | None = None,
+        token: str | None = None,
+    ) -> None:
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        if token is not None:
+            curve_server(self.router, token)
         self.address = _bind(self.router, address)
         self.received: list[list[bytes]] = []
         self._reply = reply
@@ -48,12 +76,15 @@ class FakeServer:
 
 class Relay:
     """A man in the middle between clients and a server: forwards everything, records the server's
-    answers, and can inject messages to the client after the next answer."""
+    answers, and can inject messages to the client after the next answer. It holds the job's CURVE
+    keys (``token``): the session layer is what it meets."""
 
-    def __init__(self, server_address: str, address: str | None = None) -> None:
+    def __init__(self, server_address: str, token: str, address: str | None = None) -> None:
         self.context = zmq.Context()
         self.front = self.context.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
+        curve_server(self.front, token)
+        self._token = token
         self.address = _bind(self.front, address)
         self._server_address = server_address
         self._backs: dict[bytes, zmq.Socket] = {}  # one connection to the server per client
@@ -67,6 +98,7 @@ class Relay:
         if identity not in self._backs:
             back = self.context.socket(zmq.DEALER)
             back.setsockopt(zmq.LINGER, 0)
+            curve_client(back, self._token)
             back.connect(f"tcp://{self._server_address}")
             poller.register(back, zmq.POLLIN)
             self._backs[identity] = back

@@ -555,7 +555,7 @@ def _items(n, gate):
 def test_zmq_recorded_answers_replayed_by_an_impostor_or_injected_into_a_live_stream_are_refused():
     gate = threading.Event()
     srv = zmq_rpc.ZmqServer("chief", {}, stream_handlers={"tasks": _items(2, gate)}, token=TOKEN).start()
-    relay = Relay(srv.address)
+    relay = Relay(srv.address, TOKEN)
     client = zmq_rpc.ZmqClient(relay.address, peer="the chief", token=TOKEN, timeout=10)
     try:
         got = [m for m, _ in client.stream("tasks", {"who": "first"})]

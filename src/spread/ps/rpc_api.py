@@ -20,9 +20,10 @@ and its frame header (the JSON meta and the tensors' names, dtypes and shapes); 
 number is accepted once, so a message recorded from one session is refused in any other (wrong key)
 and in its own (number already seen). The token never travels.
 
-What is not covered: the tensors' bytes (a MAC over every byte would double the cost of a push) and
-secrecy (nothing is encrypted). Against an attacker who can modify traffic, use a private network
-or TLS tunnels.
+What is not covered here: the tensors' bytes (a MAC over every byte would double the cost of a push)
+and secrecy. The ZeroMQ transport adds CURVE under the session (encrypted, and a peer without the
+token cannot complete the connection); on gRPC nothing is encrypted: against an attacker who can
+modify traffic, use a private network or TLS tunnels.
 """
 
 from __future__ import annotations

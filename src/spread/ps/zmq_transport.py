@@ -29,9 +29,20 @@ How it maps onto ZeroMQ:
   envelope) carry no MAC and only ever end a call. A stream answers ``STREAM_OPEN`` (so a wrong
   token or an unreachable chief is reported by :meth:`ZmqClient.stream`), then items, then
   ``STREAM_END``; the caller cancels with a ``CANCEL`` message naming the request id.
-* ``zmq.MAXMSGSIZE`` = ``max_frame_bytes``: ZeroMQ drops a connection whose next part declares more,
-  before allocating it (the caller sees the connection dropped); a frame whose parts add up to more
-  is refused, and :func:`spread.ps.wire.decode` validates every frame.
+* Every connection speaks CURVE (encrypted and authenticated ZMTP): the server's secret key is
+  derived from the job token, clients derive its public key and use a keypair of their own. Why:
+  ZeroMQ keeps a multipart message until its last part, so a peer that could connect could make a
+  server hold any number of parts for as long as it stayed connected, before the session's checks
+  ever saw them; a peer that cannot name the server's key now fails the handshake and is dropped,
+  and a client that cannot complete it raises :class:`JobTokenError` (nothing was sent). The
+  session protocol stays behind it (defence in depth: it also binds answers to their requests).
+  CURVE costs ~2-3x the time of a 4 MB push or pull on loopback (issue 40, item 3).
+* Tensors over ``_PART_BYTES`` travel cut into parts of that size, and ``zmq.MAXMSGSIZE`` is that
+  (or ``max_frame_bytes`` if smaller): ZeroMQ drops a connection whose next part declares more, before
+  allocating it, so an unfinished handshake holds at most that much, for at most ``_HANDSHAKE_MS``. A
+  frame whose parts add up to more than ``max_frame_bytes`` is refused, and
+  :func:`spread.ps.wire.decode` validates every frame.
+* ``SNDHWM``: at most ``_SNDHWM`` answers wait for a peer that reads none; later ones are dropped.
 
 Servers bind ``127.0.0.1`` unless given an address; :meth:`ZmqServer.stop` joins every thread it
 started and terminates its ZeroMQ context.
@@ -39,6 +50,8 @@ started and terminates its ZeroMQ context.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import queue
@@ -50,6 +63,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from spread.errors import JobTokenError, RemoteCallError, SpreadError, WireFormatError
@@ -76,12 +90,50 @@ OK, REFUSED, INVALID, FAULT, DENIED, STREAM_OPEN, STREAM_ITEM, STREAM_END, HEART
 _UNSIGNED = (DENIED, NO_SESSION)  # refusals not tied to a session: they can only end a call
 _REQUEST, _ANSWER = b"zmq-request", b"zmq-answer"  # MAC labels: a request never passes as an answer
 _MAX_PARTS = 4096  # a frame's header and tensors; more is refused before decoding
+_PART_BYTES = 16 << 20  # a tensor over this travels in several parts: MAXMSGSIZE stays this small
+_CURVE_OVERHEAD = 64  # what CURVE adds to each part on the wire (33 bytes), rounded up
+_CURVE = zmq.has("curve")  # libzmq built with CURVE (pyzmq's wheels always are)
+_HANDSHAKE_MS = 10_000  # a connection that has not finished the CURVE handshake by then is dropped
+_SNDHWM = 1000  # answers queued for one peer that reads none; then they are dropped
 _HEARTBEAT_MS = 10_000  # ZMTP heartbeats: notice a peer whose host died (no FIN ever comes)
 _PROBE_INTERVAL = 0.5  # at most one liveness probe per stream this often
 _DRAIN_SECONDS = 1.0  # stop() lets calls already being handled answer for this long
 _LINGER_MS = 1000  # and then lets their answers leave for this long
 _LATE_ANSWER_MS = 50  # after a disconnect, how long answers received before it may take to surface
 _log = logging.getLogger(__name__)
+
+
+def _server_secret_key(token: str) -> bytes:
+    """The server's CURVE secret key (Z85), derived from the job token: only the job's processes can
+    compute its public key, and a peer that does not know it cannot complete the handshake."""
+    return z85.encode(hmac.new(token.encode(), b"spread zmq curve server key", hashlib.sha256).digest())
+
+
+def server_public_key(token: str) -> bytes:
+    """The CURVE public key (Z85) a job's clients expect of its servers."""
+    return zmq.curve_public(_server_secret_key(token))
+
+
+def _limit_parts(socket: zmq.Socket, max_frame_bytes: int) -> None:
+    """ZeroMQ drops a connection whose next part declares more than MAXMSGSIZE, before allocating it;
+    parts are cut at ``_PART_BYTES``, so that is all a peer can make a socket hold for one part
+    (the handshake's included)."""
+    size = min(max_frame_bytes, _PART_BYTES) + (_CURVE_OVERHEAD if _CURVE else 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, size)
+    socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+
+
+def _cut(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """``parts`` with each one over ``_PART_BYTES`` cut into slices (views, no copy); the receiver
+    joins a frame that came cut (:func:`_decode_body`)."""
+    out: list[bytes | memoryview] = []
+    for part in parts:
+        view = memoryview(part).cast("B")
+        if view.nbytes <= _PART_BYTES:
+            out.append(part)
+            continue
+        out.extend(view[i : i + _PART_BYTES] for i in range(0, view.nbytes, _PART_BYTES))
+    return out
 
 
 def _endpoint(host: str, port: int | str) -> str:
@@ -189,8 +241,15 @@ class ZmqServer(RpcServer):
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a caller that left fails
-        self._router.setsockopt(zmq.SNDHWM, 0)  # answers are never dropped for a slow reader
-        self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # A peer reading none of its answers makes the server hold at most _SNDHWM of them: then a
+        # send fails (ROUTER_MANDATORY) and the answer is dropped. A caller waits for each answer.
+        self._router.setsockopt(zmq.SNDHWM, _SNDHWM)
+        _limit_parts(self._router, max_frame_bytes)
+        if _CURVE:  # a peer without the job token never completes the handshake: nothing is buffered
+            self._router.setsockopt(zmq.CURVE_SERVER, 1)
+            self._router.setsockopt(zmq.CURVE_SECRETKEY, _server_secret_key(token))
+        else:
+            _log.warning("%s: libzmq has no CURVE: peers without the job token can make it buffer", name)
         self._router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_MS)
         host, port = self._bind_host, self._bind_port
@@ -205,6 +264,8 @@ class ZmqServer(RpcServer):
             raise OSError(f"{name}: cannot listen on {host}:{port}: {exc}") from None
         bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2]
         self.address = f"{host}:{bound}"
+        self._max_parts = _MAX_PARTS + 7 + max_frame_bytes // _PART_BYTES  # envelope and cut tensors
+        self.dropped_answers = 0  # answers dropped for a peer that read none of _SNDHWM queued
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self._io = threading.Thread(target=self._io_loop, name=f"spread-zmq-{name}-io", daemon=True)
@@ -287,6 +348,10 @@ class ZmqServer(RpcServer):
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the caller left (closed, cancelled, died)
                 if probe is not None:
                     probe._gone = True
+                elif exc.errno == zmq.EAGAIN:  # _SNDHWM answers unread: the peer reads nothing
+                    self.dropped_answers += 1
+                    if self.dropped_answers == 1:
+                        _log.warning("%s: dropping answers to a peer that reads none", self.name)
                 elif exc.errno != zmq.EHOSTUNREACH:
                     _log.warning("%s: could not send an answer: %s", self.name, exc)
 
@@ -299,7 +364,7 @@ class ZmqServer(RpcServer):
         if kind == HELLO:
             self._hello(identity, rid, parts[3:])
             return
-        if kind not in (CALL, STREAM, CANCEL) or len(parts) < 7 or len(parts) > _MAX_PARTS + 7:
+        if kind not in (CALL, STREAM, CANCEL) or len(parts) < 7 or len(parts) > self._max_parts:
             self._refuse(identity, rid, INVALID, f"{self.name}: malformed request")
             return
         method, session_id, seq, mac = (p.bytes for p in parts[3:7])
@@ -374,7 +439,7 @@ class ZmqServer(RpcServer):
         self, identity: bytes, rid: bytes, status: bytes, body: list[Any], session: Session, index: int
     ) -> None:
         mac = session.mac(_ANSWER, rid, status, seq_bytes(index), _first(body))
-        self._send([identity, rid, status, mac, *body])
+        self._send([identity, rid, status, mac, *_cut(body)])
 
     def _decode(self, identity: bytes, rid: bytes, body: list[zmq.Frame], session: Session) -> Message | None:
         try:
@@ -448,14 +513,30 @@ class _Lost(Exception):
     """The connection under a call went away (the reason is the message)."""
 
 
+class _Impostor(Exception):
+    """The CURVE handshake failed: the peer does not know the job's server key (or we do not)."""
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
 class _Connection:
     """One DEALER socket to the server and its monitor; used by one thread at a time."""
 
-    def __init__(self, endpoint: str, max_frame_bytes: int, ipv6: bool) -> None:
+    def __init__(self, endpoint: str, max_frame_bytes: int, ipv6: bool, server_key: bytes | None) -> None:
         context = _shared_context()
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        _limit_parts(self.socket, max_frame_bytes)
+        if server_key is not None:  # a keypair of its own; the server's key proves the job token
+            public, secret = zmq.curve_keypair()
+            self.socket.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+            self.socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self.socket.setsockopt(zmq.CURVE_SECRETKEY, secret)
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_MS)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 50)
@@ -463,13 +544,16 @@ class _Connection:
         if ipv6:
             self.socket.setsockopt(zmq.IPV6, 1)
         self.monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | _HANDSHAKE_FAILED
+            | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_DISCONNECTED
         )
         self.socket.connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.connected = False
+        self.connected = False  # the handshake succeeded (ZeroMQ's, then CURVE's)
         self.lost = False  # connected once, then disconnected: never reused
         self.session: Session | None = None  # opened by the first call on this connection
 
@@ -481,14 +565,15 @@ class _Connection:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
                 return seen
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected, self.lost = False, True
             seen.append(event)
 
     def wait_connected(self, deadline: float, wait_for_ready: bool) -> bool:
-        """True once connected; raises :class:`_Lost` if refused (unless waiting for it to start)."""
+        """True once connected; raises :class:`_Lost` if refused (unless waiting for it to start), and
+        :class:`_Impostor` when the handshake fails (the peer does not hold the job's CURVE key)."""
         while not self.connected:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -498,6 +583,8 @@ class _Connection:
             for event in self.events():
                 if event == zmq.EVENT_CONNECT_RETRIED and not wait_for_ready:
                     raise _Lost("unreachable (it died or never started): connection refused")
+                if event & _HANDSHAKE_FAILED:
+                    raise _Impostor()
         return True
 
     def receive(self, rid: bytes, deadline: float | None) -> list[zmq.Frame] | None:
@@ -564,6 +651,7 @@ class ZmqClient(RpcClient):
         )
         self._endpoint = _endpoint(self._host, self._port)
         self._ipv6 = ":" in self._host
+        self._server_key = server_public_key(token) if _CURVE else None
         self._idle: list[_Connection] = []
 
     def _take(self, op: str) -> _Connection:
@@ -576,7 +664,7 @@ class ZmqClient(RpcClient):
                 if not conn.lost:
                     return conn
                 conn.close()  # it died while idle (the server restarted): a fresh one instead
-        return _Connection(self._endpoint, self._max_frame_bytes, self._ipv6)
+        return _Connection(self._endpoint, self._max_frame_bytes, self._ipv6, self._server_key)
 
     def _give_back(self, conn: _Connection) -> None:
         with self._lock:
@@ -610,7 +698,7 @@ class ZmqClient(RpcClient):
         name = method.encode()
         seq = seq_bytes(session.next_seq())
         mac = session.mac(_REQUEST, seq, kind, rid, name, _first(parts))
-        conn.socket.send_multipart([kind, rid, name, session.session_id, seq, mac, *parts], copy=False)
+        conn.socket.send_multipart([kind, rid, name, session.session_id, seq, mac, *_cut(parts)], copy=False)
         self._count(sum(len(p) for p in parts), 0)
 
     def _open_answer(
@@ -691,6 +779,8 @@ class ZmqClient(RpcClient):
             return status, body
         except _Lost as exc:
             raise self._failed(method, str(exc)) from None
+        except _Impostor:
+            raise self._impostor(method) from None
         except JobTokenError:
             answer = None  # nothing more is taken from this connection
             raise
@@ -708,7 +798,7 @@ class ZmqClient(RpcClient):
         with self._lock:
             if self._closed:
                 raise self._closed_error(method)
-        conn = _Connection(self._endpoint, self._max_frame_bytes, self._ipv6)
+        conn = _Connection(self._endpoint, self._max_frame_bytes, self._ipv6, self._server_key)
         rid = secrets.token_bytes(8)
         try:
             if not conn.wait_connected(deadline, wait_for_ready=True):
@@ -724,6 +814,9 @@ class ZmqClient(RpcClient):
         except _Lost as exc:
             conn.close()
             raise self._failed(method, str(exc)) from None
+        except _Impostor:
+            conn.close()
+            raise self._impostor(method) from None
         except BaseException:
             conn.close()
             raise
@@ -740,7 +833,7 @@ class ZmqClient(RpcClient):
             if conn.wait_connected(deadline, wait_for_ready=False):
                 self._open_session(conn, deadline, "cancel")
                 self._send(conn, CANCEL, rid, "", None, None)
-        except (SpreadError, _Lost):
+        except (SpreadError, _Lost, _Impostor):
             conn.close()  # the server is gone or unproven: the stream ends with it anyway
             return
         self._give_back(conn)
