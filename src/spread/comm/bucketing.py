@@ -25,6 +25,7 @@ supported, as with DDP; use ``use_reentrant=False``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class GradientReducer:
         self.grad_scale = 1.0 / collectives.world_size
         self.sync_enabled = True
         self.reductions = 0  # completed exchanges, for tests and stats
+        self.wait_seconds = 0.0  # time spent finishing exchanges (waiting for peers included)
         self._ready: set[int] = set()
         self._fresh: dict[int, torch.Tensor] = {}
         self._local_pending = False  # backward passes ran under no_sync since the last exchange
@@ -208,6 +210,7 @@ class GradientReducer:
         """Finish the exchange: launch the buckets not started during backward (some parameters got
         no gradient), then wait for every bucket in order and write the results into ``.grad``."""
         ready, fresh = self._ready, self._fresh
+        started = time.perf_counter()
         try:
             for bucket in self.buckets[self._next_launch :]:
                 self._launch(bucket)
@@ -223,6 +226,7 @@ class GradientReducer:
             self._next_launch = 0
             self._ready, self._fresh = set(), {}
             self._local_pending = False
+            self.wait_seconds += time.perf_counter() - started
         self.reductions += 1
 
     def _launch(self, bucket: _Bucket) -> None:

@@ -9,6 +9,8 @@ when it passes; this module turns gloo's and NCCL's messages into :class:`Collec
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -83,6 +85,9 @@ class Collectives:
         self.device = device  # where small bookkeeping tensors live (NCCL needs them on the GPU)
         self._seq = itertools.count()
         self._closed = False
+        # Seconds the training loop's thread spent in collectives: synchronous ones whole,
+        # asynchronous ones in wait() (waiting for its peers, or for the network: not computing).
+        self.wait_seconds = 0.0
 
     def close(self) -> None:
         """Let go of the process group (see :func:`destroy_group`); later calls raise."""
@@ -93,16 +98,25 @@ class Collectives:
         if self._closed:
             raise CollectiveError(self.rank, op, seq, "used after close() (the strategy was closed)")
 
+    def _count_wait(self, seconds: float) -> None:
+        # Only the training loop's thread: an algorithm exchanging on its own thread overlaps the
+        # loop's computing, it does not hold it up (the gradient reducer counts the loop's wait).
+        if threading.current_thread() is threading.main_thread():
+            self.wait_seconds += seconds
+
     @contextmanager
     def _guard(self, op: str):
         seq = next(self._seq)
         self._check_open(op, seq)
+        started = time.perf_counter()
         try:
             yield seq
         except CollectiveError:
             raise
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self.rank, op, seq, exc) from exc
+        finally:
+            self._count_wait(time.perf_counter() - started)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, name: str = "all_reduce") -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks (``op`` in sum, max, min) and return it."""
@@ -122,7 +136,7 @@ class Collectives:
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self.rank, name, seq, exc) from exc
-        return PendingCollective(work, self.rank, name, seq)
+        return PendingCollective(work, self.rank, name, seq, self._count_wait)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str = "broadcast") -> torch.Tensor:
         if self.world_size == 1:
@@ -229,7 +243,7 @@ class Collectives:
             work = collective(output, tensor, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self.rank, name, seq, exc) from exc
-        return PendingCollective(work, self.rank, name, seq)
+        return PendingCollective(work, self.rank, name, seq, self._count_wait)
 
     def barrier(self, *, name: str = "barrier") -> None:
         if self.world_size == 1:
@@ -248,20 +262,32 @@ class Collectives:
 
 
 class PendingCollective:
-    """An asynchronous collective in flight; ``wait()`` raises the same named errors as the sync ones."""
+    """An asynchronous collective in flight; ``wait()`` raises the same named errors as the sync ones,
+    and reports how long it waited to ``on_wait``."""
 
-    def __init__(self, work: dist.Work | None, rank: int, name: str, seq: int) -> None:
+    def __init__(
+        self,
+        work: dist.Work | None,
+        rank: int,
+        name: str,
+        seq: int,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
         self._work, self._rank, self._name, self._seq = work, rank, name, seq
+        self._on_wait = on_wait
 
     def wait(self) -> None:
         if self._work is None:
             return
+        started = time.perf_counter()
         try:
             self._work.wait()
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self._rank, self._name, self._seq, exc) from exc
         finally:
             self._work = None
+            if self._on_wait is not None:
+                self._on_wait(time.perf_counter() - started)
 
 
 def _runs_of_at_most(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:

@@ -482,6 +482,14 @@ class Strategy(abc.ABC):
         shutil.rmtree(path, ignore_errors=True)
 
     @property
+    def exchange_seconds(self) -> float | None:
+        """Seconds this process's training loop has spent waiting in exchanges with other processes
+        (gradient reductions, parameter gathers, the step's statistics): what is not computing.
+        Straggler detection subtracts it from each step's time and compares the ranks. None where
+        ranks are not alike to compare (one process, pipeline stages, parameter-server tasks)."""
+        return None
+
+    @property
     def steps_together(self) -> bool:
         """Whether every rank takes each training step together (a collective per step), so the
         ranks can agree at a step boundary to stop or back up (a preemption notice). False for

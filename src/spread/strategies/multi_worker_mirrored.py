@@ -225,6 +225,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         with self._reducer.no_sync():
             yield
 
+    @property
+    def exchange_seconds(self) -> float:
+        """The gradient reducer's waits plus the collectives run on the training loop's thread."""
+        reducer = self._reducer.wait_seconds if self._reducer is not None else 0.0
+        return reducer + self.collectives.wait_seconds
+
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """As :meth:`Strategy.memory_report`, with the gradient buckets the reducer keeps between steps."""
         buckets = self._reducer.buckets if self._reducer is not None else []

@@ -15,6 +15,7 @@ strategy's contract so that it means what it means on one device: the fp16 loss 
 from __future__ import annotations
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,6 +41,7 @@ from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 from spread.train.out_of_memory import explained_out_of_memory
 from spread.train.outputs import loss_of, prediction_of
 from spread.train.precision import Precision, check_precision
+from spread.train.stragglers import StragglerWatch
 from spread.train.weighting import class_weight_table, class_weights_of, per_sample_loss, weighted_mean
 
 NONFINITE_POLICIES = ("raise", "skip_step")
@@ -164,6 +166,7 @@ class Trainer:
         self._starting = False  # inside the callbacks' on_train_begin
         self._pending_callback_states: dict[str, Any] | None = None  # restored, not yet given back
         self._class_weights: torch.Tensor | None = None  # the running fit's class_weight table
+        self.stragglers: StragglerWatch | None = None  # the running (or last) fit's straggler watch
         self.history = History()
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         self._fit_callbacks: list[Callback] = []  # the running fit's callbacks, on this rank or not
@@ -462,6 +465,8 @@ class Trainer:
             self._load_callback_states(pending)
         resume, self._resume = self._resume, None
         logs: dict[str, float] = {}
+        comparable = self.strategy.exchange_seconds is not None  # ranks doing alike work, several processes
+        watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
         for epoch in range(resume["epoch"] if resume else initial_epoch, epochs):
             self.epoch = epoch
             self.model.train()
@@ -478,11 +483,17 @@ class Trainer:
             has_validation = validation_data is not None
             if first_step == 0:  # a resumed epoch keeps the norms of its steps before the backup
                 self.grad_norm_sums.zero_()
+            waited = train.wait_clock.seconds
             for step, batch in enumerate(train, start=first_step):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 cbs.call("on_train_batch_begin", step, {})
+                started = time.perf_counter()
                 packed, step_logs = self._train_step(batch)
+                if watch is not None:  # collective every few steps: every rank steps alike
+                    now_waited = train.wait_clock.seconds
+                    watch.after_step(time.perf_counter() - started, now_waited - waited)
+                    waited = now_waited
                 sums.add(packed)
                 batch_logs = {**sums.results(), **step_logs, **self._lr_logs()}
                 batch_logs["size"] = int(packed[1].item())
@@ -494,6 +505,8 @@ class Trainer:
                 time.perf_counter() - epoch_started, 1e-9
             )
             logs = {**sums.results(), **self._epoch_norm_logs(), **self._lr_logs()}
+            if watch is not None:
+                logs.update(watch.figures)
             if has_validation:
                 val_logs = self._evaluate(validation_data, validation_batch_size, None)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -503,6 +516,9 @@ class Trainer:
             if self.stop_training:
                 break
         self.strategy.refresh_weights()  # parameter servers: the model leaves fit holding their values
+        summary = watch.summary() if watch is not None else None
+        if summary is not None:
+            self._report(summary)
         cbs.call("on_train_end", logs)
         return self.history
 
@@ -549,6 +565,11 @@ class Trainer:
             )
         self.skipped_steps += 1
         return packed.new_zeros(packed.shape), {"stepped": False}
+
+    def _report(self, line: str) -> None:
+        """A diagnostic line from the chief (a straggler named), on stderr as warnings go."""
+        if self.is_chief:
+            print(line, file=sys.stderr, flush=True)
 
     def _lr_logs(self) -> dict[str, float]:
         """``lr`` (the first parameter group's) when a scheduler or a callback sets it."""
