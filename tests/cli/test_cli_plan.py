@@ -167,3 +167,55 @@ def test_without_a_profile_a_machine_with_gpus_plans_its_gpus(monkeypatch):
     args.devices, args.memory_gb = 8, 16.0  # what the command line says wins
     cluster, _ = plan._cluster(args)
     assert (cluster.devices_per_node, cluster.memory_per_device) == (8, 16 * 2**30)
+
+
+_HF_FACTORY = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+VOCAB = 64
+
+
+def on_logits(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def make():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    ids = torch.randint(0, VOCAB, (16, 16))
+    return model, {loss_fn}, {{"input_ids": ids, "labels": ids}}, ids
+"""
+
+
+@pytest.mark.parametrize("loss_fn", ["None", "on_logits"])
+def test_a_hugging_face_factory_is_planned(tmp_path, loss_fn):
+    """A factory returning a GPT-2 with its keyword inputs: the model's own loss (``loss_fn=None``) or
+    a loss on the logits (it got the whole ModelOutput: "object has no attribute 'reshape'")."""
+    pytest.importorskip("transformers")
+    (tmp_path / "hf_factory.py").write_text(_HF_FACTORY.format(loss_fn=loss_fn))
+    result = _plan(
+        "--model", "hf_factory:make", "--devices", "2", "--json", cwd=tmp_path, env=_env_with_path(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    assert all(p["samples_per_second"] > 0 for p in json.loads(result.stdout)["predictions"])
+
+
+def _readme_hugging_face_example() -> str:
+    """The Python block of the README's "Hugging Face models" section."""
+    section = (ROOT / "README.md").read_text().split("### Hugging Face models", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("script", ["examples/hf_gpt2.py", "README.md"])
+def test_the_documented_hugging_face_scripts_are_planned(tmp_path, script):
+    """``examples/hf_gpt2.py`` and the README's BERT fine-tuning train with ``loss_fn=None``, which
+    ``spread plan`` refused."""
+    pytest.importorskip("transformers")
+    path = ROOT / script
+    if script == "README.md":
+        path = tmp_path / "finetune.py"
+        path.write_text(_readme_hugging_face_example())
+    result = _plan(str(path), "--devices", "2", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert all(p["samples_per_second"] > 0 for p in json.loads(result.stdout)["predictions"])

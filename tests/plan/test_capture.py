@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spread.plan.capture import CaptureError, capture_script
+from spread.plan.workload import measure_model
 
 
 def _write_script_with_a_module_beside_it(folder, strategy: str) -> str:
@@ -100,3 +101,45 @@ def test_a_torchrun_script_that_sets_up_torch_distributed_itself_is_told_to_give
     with pytest.raises(CaptureError, match=r"raised ValueError .*RANK(.|\n)*--model module:function"):
         capture_script(str(script), ["1", "1", "--snapshot", snapshot])
     assert not torch.distributed.is_initialized()
+
+
+_HF_SCRIPT = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import spread
+
+VOCAB = 64
+ids = torch.randint(0, VOCAB, (64, 16), generator=torch.Generator().manual_seed(0))
+data = [{{"input_ids": row, "labels": row}} for row in ids]
+strategy = spread.OneDeviceStrategy()
+with strategy.scope():
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def on_logits(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+trainer = spread.Trainer(model, optimizer, loss_fn={loss_fn}, strategy=strategy)
+trainer.fit(data, epochs=1, global_batch_size=16)
+raise AssertionError("spread plan must stop the script at fit")
+"""
+
+
+@pytest.mark.parametrize("loss_fn", ["None", "on_logits"])
+def test_a_hugging_face_script_is_captured_and_profiled_as_the_trainer_runs_it(tmp_path, loss_fn):
+    """``loss_fn=None`` (the loss the model computes from ``labels``) was refused, and a loss_fn on
+    the logits got the whole ``ModelOutput`` (AttributeError: no attribute 'reshape')."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "hf_train.py"
+    script.write_text(_HF_SCRIPT.format(loss_fn=loss_fn))
+    workload = capture_script(str(script))
+    assert workload.global_batch == 16 and set(workload.inputs) == {"input_ids", "labels"}
+    assert (workload.loss_fn is None) == (loss_fn == "None")
+    profile = measure_model(
+        workload.model, workload.loss_fn, workload.inputs, workload.targets, threads=(1,), repeats=1
+    )
+    assert profile.batch == 16 and profile.compute_seconds(16, 1) > 0
+    assert profile.activation_bytes_per_sample > 0

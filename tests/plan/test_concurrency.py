@@ -96,8 +96,8 @@ def test_without_an_optimizer_or_with_structured_inputs_those_factors_are_left_o
             super().__init__()
             self.body = _mlp()
 
-        def forward(self, batch: dict) -> torch.Tensor:
-            return self.body(batch["x"])
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # a dict of inputs is keyword arguments
+            return self.body(x)
 
     inputs = {"x": torch.randn(16, 32)}
     profile = measure_model(

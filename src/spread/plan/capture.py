@@ -4,7 +4,10 @@
 ``TF_CONFIG``), until it calls ``Trainer.fit``; at that call the trainer's model, loss, optimizer,
 training data and global batch size are taken and the script is stopped. A script with its own loop
 can instead name a factory, ``module:function`` returning ``(model, loss_fn, inputs, targets)`` or
-``(model, loss_fn, inputs, targets, optimizer)`` with ``inputs``/``targets`` one global batch.
+``(model, loss_fn, inputs, targets, optimizer)`` with ``inputs``/``targets`` one global batch. Either
+way the model is profiled as the Trainer runs it: a dict of inputs as keyword arguments, ``loss_fn``
+on the output's prediction (a Hugging Face ``ModelOutput``'s ``logits``), and ``loss_fn=None`` for a
+model that computes its own loss (from ``labels``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import importlib
 import os
 import runpy
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spread.data.batches import inputs_and_targets
+from spread.data.batches import as_batch
 from spread.errors import WorldSizeError
+from spread.plan._forward import LossFn, samples_in
 from spread.strategies import OneDeviceStrategy
 from spread.train import Trainer
 
@@ -38,7 +42,7 @@ class CapturedWorkload:
     """A model with what it trains on, ready for :func:`spread.plan.workload.measure_model`."""
 
     model: nn.Module
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: LossFn  # None: the model computes its own loss (Trainer(loss_fn=None))
     inputs: Any
     targets: Any
     optimizer: torch.optim.Optimizer | None
@@ -55,9 +59,12 @@ class _FitReached(BaseException):
 
 
 def _first_batch(data: Any, global_batch: int) -> tuple[Any, Any]:
+    """The inputs and targets of the first global batch, as the Trainer splits them (a dict of the
+    model's keyword arguments is the inputs, with its ``labels`` as the targets)."""
     batches = OneDeviceStrategy().distribute_dataset(data, global_batch, shuffle=False)
     for batch in batches:
-        return inputs_and_targets(batch, who="Trainer")
+        first = as_batch(batch, who="Trainer")
+        return first.inputs, first.targets
     raise CaptureError("the training data given to Trainer.fit is empty")
 
 
@@ -85,11 +92,6 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
         **_: Any,
     ) -> Any:
         global_batch_size = global_batch_size or batch_size or 32  # Keras' batch_size is the global batch
-        if self.loss_fn is None:
-            raise CaptureError(
-                "spread plan profiles models trained on (inputs, targets) with a loss_fn; this script's "
-                "model computes its own loss (Trainer(loss_fn=None)): pass --model with a factory"
-            )
         x, y = _first_batch(train_data, global_batch_size)
         raise _FitReached(
             CapturedWorkload(
@@ -152,5 +154,5 @@ def capture_factory(spec: str) -> CapturedWorkload:
     model, loss_fn, inputs, targets, *rest = result
     if not isinstance(model, nn.Module):
         raise CaptureError(f"{spec} returned {type(model).__name__} as the model, not an nn.Module")
-    batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
+    batch = samples_in(inputs, targets)
     return CapturedWorkload(model, loss_fn, inputs, targets, rest[0] if rest else None, batch, spec)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from spread.plan._forked import can_fork, forked_rounds
+from spread.plan._forward import LossFn, forward_loss
 from spread.plan._timing import interleaved_medians, same_optimizer, take
 
 if TYPE_CHECKING:
@@ -152,13 +153,13 @@ def _beyond_time_slicing(slowdown: float, replicas: int, cores: int) -> float:
     return max(1.0, slowdown / max(1.0, replicas / cores))
 
 
-def _backward_step(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], x: Any, y: Any):
+def _backward_step(model: nn.Module, loss_fn: LossFn, x: Any, y: Any):
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> None:
         for p in params:
             p.grad = None
-        loss_fn(model(x), y).backward()
+        forward_loss(model, loss_fn, x, y).backward()
 
     return step
 
@@ -174,7 +175,7 @@ def _replica_share(
 def measure_contention(
     profile: ModelProfile,
     model: nn.Module,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: LossFn,
     inputs: Any,
     targets: Any,
     replicas: int,
@@ -199,7 +200,7 @@ def measure_optimizer_contention(
     profile: ModelProfile,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: LossFn,
     inputs: Any,
     targets: Any,
     replicas: int,
@@ -225,7 +226,7 @@ def measure_optimizer_contention(
 def measure_in_process(
     profile: ModelProfile,
     model: nn.Module,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: LossFn,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     replicas: int,
@@ -254,7 +255,7 @@ def measure_in_process(
         batch = next(iter(data))
 
         def replica_step(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-            loss_fn(replica_model(pair[0]), pair[1]).backward()
+            forward_loss(replica_model, loss_fn, pair[0], pair[1]).backward()
 
         def step() -> None:
             for p in params:

@@ -24,6 +24,7 @@ from torch import nn
 
 from spread.memory.measure import ActivationMeter
 from spread.pipeline import measured_costs
+from spread.plan._forward import LossFn, forward_loss, samples_in
 from spread.plan._timing import interleaved_medians, same_optimizer, take, wait_for_device
 from spread.plan.concurrency import measure_contention, measure_in_process, measure_optimizer_contention
 
@@ -204,7 +205,7 @@ def _tensor_bytes(value: Any) -> int:
 
 def measure_model(
     model: nn.Module,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: LossFn,
     inputs: Any,
     targets: Any,
     *,
@@ -217,6 +218,10 @@ def measure_model(
 ) -> ModelProfile:
     """Profile ``model`` on ``inputs``/``targets`` (a batch whose first dimension is the sample axis).
 
+    The model runs as the Trainer runs it (:func:`spread.plan._forward.forward_loss`): a dict of
+    inputs as keyword arguments, ``loss_fn`` on the output's prediction (a ``ModelOutput``'s
+    ``logits``), or with ``loss_fn=None`` the loss the model computes.
+
     ``threads``: intra-op thread counts to time compute at (a CPU process of a job that runs ``k``
     processes per ``c``-core node gets ``c // k``). ``concurrency``: replica counts ``k >= 2`` whose
     mutual slowdown to measure (:mod:`spread.plan.concurrency`: forward+backward of separate copies,
@@ -227,7 +232,7 @@ def measure_model(
     predicted step scales with) over at least this long, past ``repeats`` if need be (see
     :func:`spread.plan._timing.interleaved_medians`).
     """
-    batch = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else int(inputs.shape[0])
+    batch = samples_in(inputs, targets)
     if batch < 2:
         raise ValueError(f"profiling needs a batch of at least 2 samples, got {batch}")
     work = copy.deepcopy(model)
@@ -249,7 +254,7 @@ def measure_model(
         x, y = take(inputs, n), take(targets, n)
         for p in params:
             p.grad = None
-        loss_fn(work(x), y).backward()
+        forward_loss(work, loss_fn, x, y).backward()
 
     # The meter Strategy.measure_activations uses: the figure predicted is the figure measured.
     counter = ActivationMeter(exclude=work.buffers())
@@ -262,7 +267,7 @@ def measure_model(
     ]
     with counter:
         x, y = take(inputs, batch), take(targets, batch)
-        loss = loss_fn(work(x), y)
+        loss = forward_loss(work, loss_fn, x, y)
     wait_for_device()
     started = time.perf_counter()
     loss.backward()
@@ -292,7 +297,7 @@ def measure_model(
     x, y = take(inputs, batch), take(targets, batch)
 
     def forward_only() -> None:
-        loss_fn(work(x), y)
+        forward_loss(work, loss_fn, x, y)
 
     # Every thread count, batch size and optimizer step in one set of interleaved rounds: their
     # ratios (one process on all cores vs one replica per core) decide the recommendation, and timed
@@ -396,7 +401,7 @@ def measure_model(
 
 
 def _split_backward_steps(
-    model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any, sizes: list[int]
+    model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, sizes: list[int]
 ) -> dict[int, tuple[Callable[[], None], Callable[[], None]]]:
     """Per micro-batch size, ``(ordinary, split)`` forward+backward of the blocks after the first of
     a chain, on the first block's output (what a later pipeline stage receives: a float tensor that
@@ -420,14 +425,14 @@ def _split_backward_steps(
             for p in params:
                 p.grad = None
             x.grad = None
-            loss_fn(rest(x), y).backward()
+            forward_loss(rest, loss_fn, x, y).backward()
 
         def split(x=x, y=y) -> None:
             for p in params:
                 p.grad = None
             x.grad = None
             with splitter.forward() as graph:
-                loss = loss_fn(rest(x), y)
+                loss = forward_loss(rest, loss_fn, x, y)
             splitter.backward_input(graph, loss, None, x)
             splitter.backward_weight(graph)
 
