@@ -108,6 +108,26 @@ def test_bad_arguments_exit_2_with_a_clear_message(
 
 
 @pytest.mark.parametrize(
+    ("args", "meant"),
+    [
+        (["--nprocs", "2", "t.py"], "-n/--nproc-per-node"),
+        (["--nproc", "2", "t.py"], "-n/--nproc-per-node"),  # was "ambiguous" between -n's spellings
+        (["--num_processes=2", "t.py"], "-n/--nproc-per-node"),  # accelerate launch's
+        (["--kill-grase", "3", "t.py"], "--kill-grace"),
+    ],
+)
+def test_another_launchers_spelling_is_answered_with_the_option_meant(
+    args: list[str], meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``spread run --nprocs 2 t.py`` printed the top-level usage ("usage: spread [-h] [--version]
+    COMMAND") and no hint: the unknown option now gets spread run's usage and the option meant."""
+    assert main(["run", *args]) == 2
+    err = capsys.readouterr().err
+    assert "usage: spread run" in err
+    assert f"(did you mean {meant}?)" in err
+
+
+@pytest.mark.parametrize(
     ("args", "expected"),
     [
         (["--standalone", "--nproc_per_node=2", "t.py"], {"nproc": 2, "nnodes": 1, "master_addr": None}),

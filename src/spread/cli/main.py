@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from spread import __version__
+from spread.cli._parser import SuggestingParser
 
 _SUBCOMMANDS = ("spread.cli.run", "spread.cli.plan", "spread.cli.bench")
 
@@ -34,17 +35,24 @@ Exit status: that of the command; for `run`, the first failing rank's exit code.
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``spread`` parser, with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """``spread``'s parser and each subcommand's, by name."""
+    parser = SuggestingParser(
         prog="spread",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"spread {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", title="commands", parser_class=SuggestingParser
+    )
     for name in _SUBCOMMANDS:
         importlib.import_module(name).register(subparsers)
-    return parser
+    return parser, dict(subparsers.choices)
 
 
 def _code(exc: SystemExit) -> int:
@@ -58,9 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Usage errors exit with status 2 (argparse's convention), after printing what was wrong.
     """
-    parser = build_parser()
+    parser, commands = _parsers()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # a subcommand's unknown options: its usage and its suggestion, not spread's
+            commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2

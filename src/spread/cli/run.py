@@ -101,6 +101,26 @@ def _nnodes(text: str) -> int:
     return _int_at_least(1)(low)
 
 
+# Other launchers' spellings of spread run's options (torchrun's own are accepted as they are): a
+# usage error names the option meant (spread/cli/_parser.py).
+_MISSPELLINGS = dict.fromkeys(
+    (
+        "--nproc",  # argparse found it ambiguous between -n's two long spellings
+        "--nprocs",
+        "--np",
+        "--nprocs-per-node",
+        "--nprocs_per_node",
+        "--num-processes",  # accelerate launch
+        "--num_processes",
+        "--num-proc",
+        "--num_proc",
+        "--nproc-per-host",
+        "--processes",
+    ),
+    "-n",
+)
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``run`` subcommand to ``spread``'s subparsers.
 
@@ -113,6 +133,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        misspellings=_MISSPELLINGS,
     )
     add = parser.add_argument
     add(
