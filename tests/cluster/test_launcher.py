@@ -12,6 +12,8 @@ import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -218,6 +220,44 @@ def test_output_is_prefixed_line_by_line_and_binary_safe(
     assert launch(LaunchConfig(entrypoint=str(script), prefix_output=False)) == 0
     out, err = capfd.readouterr()
     assert out == "one\ntwo\npartial without newline"
+
+
+@pytest.mark.processes
+def test_a_rank_that_prints_then_fails_shows_its_lines_in_the_order_it_wrote_them(tmp_path: Path) -> None:
+    """A flushed "rank 1 did 3 steps" was relayed after rank 1's own traceback now and then: each
+    pipe had its own reader thread. Eight ranks, four launches: the race showed in about half of the
+    launches. What a terminal shows (stdout and stderr on one stream) must be each rank's order."""
+    script = _script(
+        tmp_path,
+        """
+        rank = os.environ["RANK"]
+        print(f"rank {rank} did 3 steps", flush=True)
+        raise RuntimeError(f"rank {rank} failed")
+    """,
+    )
+    for _ in range(4):
+        result = subprocess.run(
+            [sys.executable, "-m", "spread.cli.main", "run", "-n", "8", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1, result.stdout
+        lines = result.stdout.splitlines()
+        tracebacks = 0
+        for rank in range(8):
+            failed = [
+                i
+                for i, line in enumerate(lines)
+                if line == f"[rank {rank}] Traceback (most recent call last):"
+            ]
+            if failed:
+                tracebacks += 1
+                printed = lines.index(f"[rank {rank}] rank {rank} did 3 steps")
+                assert printed < failed[0], result.stdout
+        assert tracebacks >= 1, result.stdout
 
 
 @pytest.mark.processes
@@ -648,7 +688,9 @@ def test_live_bar_frames_redraw_one_line_on_a_terminal(capsys: pytest.CaptureFix
     def relay(live: bool) -> str:
         read_end, write_end = os.pipe()
         r = OutputRelay(prefix=True, live=live)
-        thread = r.start(0, os.fdopen(read_end, "rb"), "stdout")
+        err_read, err_write = os.pipe()
+        os.close(err_write)
+        thread = r.start(0, os.fdopen(read_end, "rb"), os.fdopen(err_read, "rb"))
         os.write(write_end, b"\r 1/3 [=  ]")
         time.sleep(0.2)
         r.write("stdout", "[rank 1] a line\n", owner=(1, "stdout"))
@@ -659,3 +701,30 @@ def test_live_bar_frames_redraw_one_line_on_a_terminal(capsys: pytest.CaptureFix
 
     assert relay(True) == ("\r[rank 0]  1/3 [=  ]\n[rank 1] a line\n[rank 0]  3/3 [===]\n[rank 0] done\n")
     assert relay(False) == "[rank 1] a line\n[rank 0] \r 1/3 [=  ]\r 2/3 [== ]\r 3/3 [===]\n[rank 0] done\n"
+
+
+def test_a_bar_frame_wider_than_the_terminal_is_cut_to_its_width(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame that wraps cannot be redrawn in place: "\r" goes back to the start of its last row,
+    and the rows above stay on screen. Frames are cut to the terminal's width; the line that ends
+    them (with its newline) is shown whole and wraps, as a terminal wraps any line."""
+    from spread.cluster._output import OutputRelay
+
+    monkeypatch.setenv("COLUMNS", "40")
+    read_end, write_end = os.pipe()
+    err_read, err_write = os.pipe()
+    os.close(err_write)
+    thread = OutputRelay(prefix=True, live=True).start(
+        0, os.fdopen(read_end, "rb"), os.fdopen(err_read, "rb")
+    )
+    long = "epoch 1/2  4/4 " + "x" * 60
+    os.write(write_end, f"\r 1/3 [=  ]\r{long}".encode())
+    time.sleep(0.2)
+    os.write(write_end, b"\n")
+    os.close(write_end)
+    thread.join(5)
+    out = capsys.readouterr().out
+    overwritten = out.split("\n")[0].split("\r")[:-1]
+    assert all(len(frame) < 40 for frame in overwritten), overwritten
+    assert out.endswith(f"\r[rank 0] {long}\n")

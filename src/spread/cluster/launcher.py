@@ -513,8 +513,7 @@ class _Attempt:
         for local_rank, proc in enumerate(self.procs):
             rank = self.rank(local_rank)
             label: int | str = rank if not c.ps else " ".join(map(str, c.ps_tasks()[local_rank]))
-            self.threads.append(self.relay.start(label, proc.stdout, "stdout"))  # type: ignore[arg-type]
-            self.threads.append(self.relay.start(label, proc.stderr, "stderr"))  # type: ignore[arg-type]
+            self.threads.append(self.relay.start(label, proc.stdout, proc.stderr))  # type: ignore[arg-type]
             threading.Thread(target=self._watch, args=(local_rank, proc), daemon=True).start()
         failure = self._wait()
         running = len(self.procs) - len(self.returncodes)

@@ -8,6 +8,7 @@ pipe ``spread run`` relays), and read what a terminal would show.
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import re
 import select
@@ -95,6 +96,23 @@ def test_bar_ends_as_the_epoch_line(fake_trainer, capsys, monkeypatch):
         r"\d+ samples/s",
         screen[0],
     ), screen[0]
+
+
+def test_the_epoch_line_is_one_write_with_its_newline(fake_trainer, monkeypatch):
+    """``print`` wrote the epoch's line and its newline apart; a relay that read between the two took
+    the line for one more frame of the bar and drew it twice (see the 80-column test below)."""
+    writes: list[str] = []
+
+    class Recorded(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(progress_module, "_is_tty", lambda stream: True)
+    monkeypatch.setattr(sys, "stdout", Recorded())
+    fake_trainer(epochs=2, steps=5).fit([ProgressBar()])
+    lines = [text for text in writes if "val_loss" in text]
+    assert len(lines) == 2 and all(text.endswith("\n") for text in lines), writes
 
 
 def test_bar_of_an_epoch_of_unknown_length_ends_full(fake_trainer, capsys, monkeypatch):
@@ -280,3 +298,54 @@ def test_spread_run_on_a_terminal_shows_rank_0s_bar_only(tmp_path):
     _check_bar_run(raw, prefix="[rank 0] ", width=120)
     assert "[rank 1] done" in raw
     assert not [frame for frame in _frames(raw) if frame.startswith("[rank 1] epoch")]
+
+
+def _terminal(raw: str, columns: int) -> list[str]:
+    """The rows an automatic-margin terminal ``columns`` wide shows after ``raw``: a character past
+    the last column wraps to the next row, and a carriage return goes back only to its row's start."""
+    rows: list[list[str]] = [[]]
+    row = col = 0
+    for char in raw:
+        if char == "\r":
+            col = 0
+        elif char == "\n":
+            row, col = row + 1, 0
+        else:
+            if col == columns:
+                row, col = row + 1, 0
+            while len(rows) <= row:
+                rows.append([])
+            line = rows[row]
+            line.extend(" " * (col + 1 - len(line)))
+            line[col] = char
+            col += 1
+        while len(rows) <= row:
+            rows.append([])
+    return ["".join(line).rstrip() for line in rows]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_spread_run_on_an_80_column_terminal_shows_each_epoch_line_once(tmp_path):
+    """The epoch's line (~150 characters with validation metrics) reached the relay without its
+    newline (``print`` writes the two apart) and was drawn as a bar frame first: that copy wrapped,
+    and the carriage return before the real line went back only to its last row, so its first row
+    stayed on screen. No frame drawn in place may be wider than the terminal."""
+    script = tmp_path / "fit.py"
+    script.write_text(FIT_SCRIPT)
+    columns = 80
+    raw = _run_on_pty(
+        [sys.executable, "-m", "spread.cli.main", "run", "-n", "1", str(script), "1"],
+        _env(),
+        columns=columns,
+        cwd=tmp_path,
+        timeout=150,
+    )
+    overwritten = [frame for line in raw.split("\n") for frame in line.split("\r")[:-1]]
+    assert all(len(frame) < columns for frame in overwritten), max(overwritten, key=len)
+    screen = _terminal(raw, columns)
+    for epoch in (1, 2):
+        shown = [row for row in screen if row.startswith(f"[rank 0] epoch {epoch}/2  4/4 |")]
+        assert len(shown) == 1, "\n".join(screen)
+        assert len(shown[0]) == columns and "val_accuracy" not in shown[0]  # the line wraps, once
+    assert [row for row in screen if row][-1] == "[rank 0] done"

@@ -175,8 +175,12 @@ class ProgressBar(Callback):
     @staticmethod
     def _print(line: str) -> None:
         # Resolved at call time so redirected or captured stdout is honoured; flushed so piped
-        # output appears as it happens instead of when a buffer fills.
-        print(line, file=sys.stdout, flush=True)
+        # output appears as it happens instead of when a buffer fills. One write with its newline:
+        # ``print`` writes the line and its end apart, and `spread run` on a terminal draws a line
+        # that ends the bar's frames without a newline yet as one more frame (the epoch's ~150
+        # characters twice, the first copy cut to the terminal's width).
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
     # -- hooks --------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
