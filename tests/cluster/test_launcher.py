@@ -571,6 +571,31 @@ def test_a_recorded_exception_is_named_in_the_failure_note(
 
 
 @pytest.mark.processes
+def test_a_long_error_message_is_printed_once(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A CheckpointMismatchError lists every key that differs (900 characters on one line): the
+    rank's traceback showed it, and the launcher's note said it all again."""
+    script = _script(
+        tmp_path,
+        """
+        from spread.errors import CheckpointMismatchError
+
+        saved = "saved (16, 8) float32, expected (32, 8) float32"
+        problems = [f"model: 'layer{i}.weight': {saved}" for i in range(12)]
+        raise CheckpointMismatchError("backup/ckpt-8", "model", problems)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script))) == 1
+    err = capfd.readouterr().err
+    message = err.split("[rank 0] spread.errors.CheckpointMismatchError: ", 1)[1].splitlines()[0]
+    assert len(message) > 900 and err.count(message) == 1
+    note = err.splitlines()[-1]
+    assert note.startswith(
+        "spread run: rank 0 exited with code 1 (CheckpointMismatchError: checkpoint backup/"
+    )
+    assert "(in full in rank 0's traceback above)" in note and len(note) < 300
+
+
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "consequence",
     [

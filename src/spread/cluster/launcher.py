@@ -70,6 +70,10 @@ _REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped (only t
 _RELAY_JOIN_TIMEOUT = 2.0  # a setsid'd grandchild may keep a pipe open forever; do not wait on it
 _TICK = 0.1  # seconds between checks for a stop signal or a stopped rank while waiting on the ranks
 _STOPPED_LIMIT = 3.0  # seconds a rank may stay stopped (SIGSTOP, state T) before it counts as failed
+# The failure note names the exception in at most this many characters: the rank's traceback, just
+# above it, has the whole message (a CheckpointMismatchError listing every key ran to 900 characters,
+# and the note said it all a second time).
+_SUMMARY_CHARACTERS = 160
 _SERVICE_ROLES = ("ps", "evaluator")  # tasks of a parameter-server job that serve the training tasks
 # Variables an outer launcher may have set that would misdirect our ranks if inherited.
 _INHERITED_NOISE = ("TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
@@ -224,6 +228,13 @@ def _describe(rank: int, returncode: int) -> str:
         except ValueError:
             pass
     return text
+
+
+def _shortened(summary: str, rank: int) -> str:
+    """``summary`` cut at a word to ``_SUMMARY_CHARACTERS``, saying where the rest is."""
+    if len(summary) <= _SUMMARY_CHARACTERS:
+        return summary
+    return f"{summary[:_SUMMARY_CHARACTERS].rsplit(' ', 1)[0]} ... (in full in rank {rank}'s traceback above)"
 
 
 def _job_token(config: LaunchConfig) -> str:
@@ -528,7 +539,7 @@ class _Attempt:
             failure = self._root_cause(failure)
         if failure is not None:
             summary = self.launch.errors.summary(self.number, failure.rank)
-            detail = f" ({summary})" if summary else ""
+            detail = f" ({_shortened(summary, failure.rank)})" if summary else ""
             others = running - (failure.stopped_for is not None)  # a stopped rank is still running
             self.relay.note(f"{failure.describe()}{detail}; stopped the other {others} process(es)")
         elif self.trap.signum is not None:
