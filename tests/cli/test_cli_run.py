@@ -7,6 +7,7 @@ written its pid, signal the launcher, and then check that nothing it started is 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -302,6 +303,69 @@ def test_launcher_imports_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, "spread run would import torch at start-up: " + result.stderr
+
+
+FITTING = """
+import os, sys, time
+import torch
+from torch import nn
+import spread
+
+class Slow(spread.callbacks.Callback):
+    def on_train_batch_end(self, step, logs=None):
+        if step == 1:
+            with open(os.path.join(sys.argv[1], "pids" + os.environ["RANK"]), "w") as f:
+                f.write(f"{os.getpid()} {os.getpid()}")
+        time.sleep(0.05)
+
+x = torch.randn(4096, 8)
+y = (x.sum(1) > 0).long()
+strategy = spread.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
+try:
+    trainer.fit((x, y), epochs=100, global_batch_size=16, verbose=0, callbacks=[Slow()])
+finally:
+    print("finally ran", flush=True)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_fit_ends_each_rank_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C during ``Trainer.fit`` under ``spread run`` printed every rank's traceback of the step
+    it was in (~110 lines a rank); now one line a rank, saying where in the script it was. The
+    KeyboardInterrupt still propagates through the script (its ``finally`` runs) and the job ends 130."""
+    script = tmp_path / "fit.py"
+    script.write_text(FITTING)
+    proc = subprocess.Popen(
+        [*SPREAD, "run", "-n", "2", str(script), str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc, timeout=60)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=15)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    for rank in (0, 1):
+        assert f"[rank {rank}] finally ran" in out
+        lines = [line for line in err.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert len(lines) == 1, err
+        assert re.fullmatch(
+            rf"\[rank {rank}\] KeyboardInterrupt \(at {re.escape(str(script))}:\d+, in \S+\)", lines[0]
+        )
+    _assert_gone(pids, proc.pid)
 
 
 @pytest.mark.processes

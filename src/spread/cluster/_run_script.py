@@ -102,6 +102,24 @@ def _record_error(error: BaseException) -> None:
         pass
 
 
+def _interrupted(kind: type[BaseException], error: BaseException, tb: types.TracebackType | None) -> None:
+    """Ctrl-C, which ``spread run`` forwards to every rank: one line per rank saying where in the script
+    it was, not the traceback of the step each rank was in (~110 lines a rank during ``Trainer.fit``).
+
+    Trimmed here, in the rank, rather than in the launcher's relay: the runner holds the exception
+    itself, where the relay would have to hold back and parse each rank's stderr for a traceback that
+    ends in ``KeyboardInterrupt``. The exception still propagates through the script (its ``except`` and
+    ``finally`` blocks run) and python still exits as on any Ctrl-C (killed by SIGINT after ``atexit``);
+    under plain ``python`` nothing changes.
+    """
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    script = os.path.abspath(sys.argv[0])
+    where = [f for f in frames if os.path.abspath(f.filename) == script][-1:] or frames[-1:]
+    at = f" (at {where[0].filename}:{where[0].lineno}, in {where[0].name})" if where else ""
+    lines = traceback.format_exception_only(kind, error)
+    sys.stderr.write(lines[0].rstrip("\n") + at + "\n" + "".join(lines[1:]))
+
+
 def _script_module(path: str) -> types.ModuleType:
     """A fresh ``__main__`` as CPython builds it for ``python path``."""
     main = types.ModuleType("__main__")
@@ -125,7 +143,10 @@ def main() -> None:
     atexit.register(_release_distributed, module.__dict__)  # registered first: runs after the script's
     try:
         exec(code, module.__dict__)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        sys.excepthook = _interrupted  # printed by python, which then exits as it does on Ctrl-C
         raise
     except BaseException as error:  # print it as python would, without this runner's frames
         outer = error.__traceback__
