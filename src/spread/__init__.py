@@ -38,6 +38,7 @@ _EXPORTS = {
     "compute_average_loss": "spread.strategies.tf_compat",
     "Trainer": "spread.train",
     "callbacks": "spread.callbacks",
+    "export": "spread.export",
     "ClusterSpec": "spread.cluster",
     "resolve_cluster": "spread.cluster",
     "errors": "spread.errors",
@@ -63,13 +64,14 @@ __all__ = [
     "callbacks",
     "compute_average_loss",
     "errors",
+    "export",
     "get_replica_context",
     "get_strategy",
     "resolve_cluster",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from spread import callbacks, errors
+    from spread import callbacks, errors, export
     from spread.cluster import ClusterSpec, resolve_cluster
     from spread.ps import ClusterCoordinator
     from spread.strategies import (

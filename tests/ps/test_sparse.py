@@ -134,7 +134,8 @@ def test_tying_after_the_table_was_placed_by_rows_is_refused_by_name(job):
 def test_the_model_leaves_fit_and_checkpoints_with_the_servers_tables(job):
     """A task's table holds the rows it looked up, as they were when it looked: rows it never
     read keep their initial values. ``refresh_weights`` (the end of ``fit``) and
-    ``model_state_dict`` (checkpoints, best weights) pull tables whole."""
+    ``full_state_dict`` (checkpoints, best weights, export) pull tables whole, and the dense
+    variables."""
     strategy = job
     with strategy.scope():
         torch.manual_seed(0)
@@ -149,6 +150,11 @@ def test_the_model_leaves_fit_and_checkpoints_with_the_servers_tables(job):
     on_servers = strategy.client.pull(strategy.placement, [name])[name]
     assert not torch.equal(table.weight.detach(), on_servers)
     assert torch.equal(strategy.full_state_dict(model)["0.weight"], on_servers)
+    # Dense variables too: in async mode a task's copy is as of its own last step (export, files).
+    head_name = strategy._names[id(head.weight)]
+    head_on_servers = strategy.client.pull(strategy.placement, [head_name])[head_name]
+    head.weight.data.zero_()
+    assert torch.equal(strategy.full_state_dict(model)["1.weight"], head_on_servers.view_as(head.weight))
     table.weight.data.zero_()
     strategy.refresh_weights()
     assert torch.equal(table.weight.detach(), on_servers)

@@ -99,7 +99,9 @@ def write_file(
     """Create ``path`` (it must not exist), write ``obj`` into it (``write(obj, file)``, default
     ``torch.save``), flush and fsync it. An operating-system error while writing (a full disk, a
     file-size limit) is raised as itself, naming ``shown_as`` (default ``path``): ``torch.save`` would
-    report it as ``[enforce fail at inline_container.cc] ... unexpected pos``, hiding the cause."""
+    report it as ``[enforce fail at inline_container.cc] ... unexpected pos``, hiding the cause, and a
+    plain ``write`` names no file."""
+    shown = os.fspath(shown_as or path)
     try:
         with open(path, "xb") as f:
             (write or torch.save)(obj, f)
@@ -109,7 +111,11 @@ def write_file(
         cause = _os_error_under(exc)
         if cause is None:
             raise
-        raise OSError(cause.errno, cause.strerror, os.fspath(shown_as or path)) from exc
+        raise OSError(cause.errno, cause.strerror, shown) from exc
+    except OSError as exc:
+        if exc.errno is None or exc.filename == shown:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, shown) from exc
 
 
 def _os_error_under(exc: BaseException) -> OSError | None:

@@ -765,9 +765,11 @@ class ServerLayout(StateLayout):
         return refusal
 
     def full_state_dict(self, obj: nn.Module | torch.optim.Optimizer) -> dict[str, Any]:
+        """The servers' weights: every variable pulled (tables whole), not only the tables: in async
+        mode a task's dense copy is as of its own last step, missing the other tasks' later updates."""
         s = self.servers
         if isinstance(obj, nn.Module) and not s._closed:
-            s._pull_whole([n for n, p in s._variables.items() if id(p) in s._embedding_modules])
+            s.refresh_weights()
         return obj.state_dict()
 
 

@@ -448,8 +448,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                     f"{type(module).__name__}.state_dict() under ShardedStrategy(shard='parameters') "
                     "would hold zeros: each rank keeps 1/N of every parameter between steps. Call "
                     "strategy.full_state_dict(model) on every rank (collective) for the one-device "
-                    "weights (e.g. model.save_pretrained(path, state_dict=strategy.full_state_dict(model)) "
-                    "on the chief), or read the model inside `with strategy.unsharded():` on every rank"
+                    "weights (spread.export.save_pretrained(strategy, model, path) and save_safetensors "
+                    "do it on every rank and write on the chief), or read the model inside "
+                    "`with strategy.unsharded():` on every rank"
                 )
 
     def _optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -19,11 +19,10 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import IO, Any
-
-import torch
+from typing import Any
 
 from spread.checkpoint.atomic import atomic_save
+from spread.checkpoint.export import SAFETENSORS_SUFFIX, write_safetensors
 from spread.train.callbacks._monitor import (
     as_float,
     check_freq,
@@ -33,16 +32,6 @@ from spread.train.callbacks._monitor import (
     worst_value,
 )
 from spread.train.callbacks.base import Callback, Logs
-
-SAFETENSORS_SUFFIX = ".safetensors"
-
-
-def _write_safetensors(state: Mapping[str, torch.Tensor], f: IO[bytes]) -> None:
-    """safetensors bytes of a one-device ``state_dict``: each tensor its own contiguous copy (tied
-    weights share storage, which safetensors refuses), on the CPU."""
-    from safetensors.torch import save
-
-    f.write(save({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}))
 
 
 class ModelCheckpoint(Callback):
@@ -209,6 +198,6 @@ class ModelCheckpoint(Callback):
         if not self.trainer.is_chief:
             return
         if path.endswith(SAFETENSORS_SUFFIX):
-            atomic_save(state, path, _write_safetensors)
+            atomic_save(state, path, write_safetensors)
         else:
             atomic_save(state, path)
