@@ -153,6 +153,8 @@ def test_stale_gradients_apply_keeps_every_gradient_whole(cluster):
         _push(client, placement, f"w0-{step}", step=step)
     client.versions = stale_base
     assert torch.equal(_push(client, placement, "w1-0", worker=1)["a"], torch.full((4,), -6.0))
+    stats = client.stats()
+    assert [s["damped"] for s in stats] == [0, 0] and [s["max_staleness_seen"] for s in stats] == [5, 5]
 
 
 def test_a_dead_server_is_named_within_the_timeout(cluster):

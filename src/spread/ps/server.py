@@ -224,10 +224,12 @@ class ParameterServer:
         """How much of an async push's gradient to apply (see the module docstring); 1 in sync mode,
         with ``"apply"``, or when the push does not say which version it was computed on."""
         base = meta.get("base")
-        if self.mode != "async" or self.stale_gradients != "scale" or not isinstance(base, int):
+        if self.mode != "async" or not isinstance(base, int):
             return 1.0
         staleness = max(0, self.version - base)
         self.max_seen_staleness = max(self.max_seen_staleness, staleness)
+        if self.stale_gradients != "scale":
+            return 1.0
         scale = min(1.0, self.num_workers / (staleness + 1))
         if scale < 1.0:
             self.damped += 1

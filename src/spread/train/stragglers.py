@@ -64,7 +64,14 @@ class StragglerWatch:
         if self._steps == self._window:
             self._compare()
 
-    def _compare(self) -> None:
+    def epoch_figures(self) -> dict[str, float]:
+        """The last window's figures for the epoch's logs; an epoch shorter than a window compares
+        what it has (collective then, on every rank alike), naming nobody on so few steps."""
+        if not self.figures and self._steps:
+            self._compare(naming=False)
+        return dict(self.figures)
+
+    def _compare(self, *, naming: bool = True) -> None:
         mine = torch.tensor([[s / self._steps for s in self._sums]], dtype=torch.float64)
         rows = self._strategy.gather_from_every_rank(mine.to(self._strategy.device)).cpu().tolist()
         self._sums, self._steps = [0.0, 0.0, 0.0], 0
@@ -77,7 +84,7 @@ class StragglerWatch:
             "timing/exchange_ms": 1000 * statistics.median(row[1] for row in rows),
             "timing/data_wait_ms": 1000 * max(row[2] for row in rows),
         }
-        if len(rows) < 2:
+        if len(rows) < 2 or not naming:
             return
         for rank in range(len(rows)):
             for phase, what in _PHASES.items():

@@ -506,7 +506,7 @@ class Trainer:
             )
             logs = {**sums.results(), **self._epoch_norm_logs(), **self._lr_logs()}
             if watch is not None:
-                logs.update(watch.figures)
+                logs.update(watch.epoch_figures())
             if has_validation:
                 val_logs = self._evaluate(validation_data, validation_batch_size, None)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})

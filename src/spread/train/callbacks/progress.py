@@ -78,8 +78,13 @@ def _format_value(value: Any) -> str:
 
 
 def format_logs(logs: Logs) -> str:
-    """``"loss 0.1234  accuracy 0.9612"``: every log except the batch ``size``, in the given order."""
-    return "  ".join(f"{name} {_format_value(value)}" for name, value in logs.items() if name != "size")
+    """``"loss 0.1234  accuracy 0.9612"``: every log except the batch ``size`` and the ``timing/``
+    figures (for History, TensorBoard and trackers; a straggler is named on its own line), in order."""
+    return "  ".join(
+        f"{name} {_format_value(value)}"
+        for name, value in logs.items()
+        if name != "size" and not name.startswith("timing/")
+    )
 
 
 def _per_step(seconds: float) -> str:
