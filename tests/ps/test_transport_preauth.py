@@ -43,6 +43,7 @@ def zmq_server():
     srv.stop()
 
 
+@pytest.mark.processes
 def test_zmq_parts_without_their_last_from_a_peer_without_the_token_are_not_held(zmq_server):
     """3 x 50 MiB parts, never the last, from another process: before CURVE the server held all
     150 MiB for as long as the peer stayed connected; now the peer is dropped at the greeting."""
