@@ -149,3 +149,65 @@ def test_bad_trainer_arguments():
         spread.Trainer(model, opt, nn.CrossEntropyLoss(), metrics=["f7"])
     with pytest.raises(ValueError, match="unknown strategy"):
         spread.Trainer(model, opt, nn.CrossEntropyLoss(), strategy="tpu")
+
+
+# -- Ctrl-C: where fit stopped, in a few lines (issue 39) -------------------------------------------
+class _CtrlCAt(spread.callbacks.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_fit_says_where_training_stopped_from_fit_itself():
+    import traceback
+
+    model = nn.Linear(4, 2)
+    trainer = spread.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    with pytest.raises(KeyboardInterrupt) as raised:
+        trainer.fit(data, epochs=2, global_batch_size=8, verbose=0, callbacks=[_CtrlCAt(2)])
+    assert str(raised.value) == "fit interrupted in epoch 1, after 3 optimizer step(s)"
+    printed = traceback.format_exception(raised.value)
+    assert len("".join(printed).splitlines()) <= 8, "".join(printed)  # not the step's ~110 lines
+
+
+_CTRL_C_SCRIPT = """
+import os, signal, threading, torch, spread
+from torch import nn
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 2))
+    def forward(self, x):
+        return self.layers(x)
+
+class Interrupt(spread.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the terminal sends it
+
+strategy = spread.MirroredStrategy(num_replicas=2)
+with strategy.scope():
+    model = Slow()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
+trainer.fit((torch.randn(512, 64), torch.randint(0, 2, (512,))), epochs=5, global_batch_size=16,
+            verbose=0, callbacks=[Interrupt()])
+"""
+
+
+@pytest.mark.processes
+def test_ctrl_c_under_plain_python_prints_a_short_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "KeyboardInterrupt: fit interrupted in epoch 1, after " in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) <= 10, done.stderr

@@ -359,6 +359,8 @@ class Trainer:
                 validation_data=validation_data,
                 validation_batch_size=validation_batch_size or global_batch_size,
             )
+        except KeyboardInterrupt as interrupt:
+            raise self._where_interrupted(interrupt) from None
         finally:
             cbs.call("on_fit_exit")
             self.active_callbacks = []
@@ -565,6 +567,16 @@ class Trainer:
             )
         self.skipped_steps += 1
         return packed.new_zeros(packed.shape), {"stepped": False}
+
+    def _where_interrupted(self, interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
+        """Ctrl-C in ``fit``: a ``KeyboardInterrupt`` saying where training stopped, raised from
+        ``fit`` itself (a few lines of traceback, not the ~110 of the step it fell in). One that
+        carries a message of its own (a callback's) is kept as it is."""
+        if interrupt.args:
+            return interrupt
+        return KeyboardInterrupt(
+            f"fit interrupted in epoch {self.epoch + 1}, after {self.global_step} optimizer step(s)"
+        )
 
     def _report(self, line: str) -> None:
         """A diagnostic line from the chief (a straggler named), on stderr as warnings go."""
