@@ -86,6 +86,7 @@ from spread.comm.algorithms.base import (
     segment_bounds,
 )
 from spread.comm.ops import Collectives
+from spread.comm.peers import gone_ranks
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -148,6 +149,13 @@ def shm_unlimited(collectives: Collectives) -> bool:
     free = torch.tensor([1 if soft == resource.RLIM_INFINITY else 0], device=collectives.device)
     collectives.all_reduce(free, "min", name="shm_unlimited")
     return bool(free.item())
+
+
+def _exited_here() -> str:
+    """Which ranks of the job on this host have exited: the one that left first may have left because
+    another died (a rank stops when it loses a peer), so the message lists them all."""
+    gone = gone_ranks()
+    return "; exited on this host: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in gone) if gone else ""
 
 
 def _round_up(n: int, to: int) -> int:
@@ -434,7 +442,7 @@ class ShmAllReduce(AllReduceAlgorithm):
             if exc.errno not in _PEER_GONE:
                 raise
             raise PeerLostError(
-                self.rank, what, self._generation, f"rank {link.peer} left", peer=link.peer
+                self.rank, what, self._generation, f"rank {link.peer} left{_exited_here()}", peer=link.peer
             ) from None
         if not sent:
             raise CollectiveTimeout(
@@ -533,7 +541,7 @@ class ShmAllReduce(AllReduceAlgorithm):
                 self.rank,
                 op,
                 self._generation,
-                f"rank {link.peer} left (its shared-memory barrier socket is closed)",
+                f"rank {link.peer} left (its shared-memory barrier socket is closed){_exited_here()}",
                 peer=link.peer,
             ) from None
 
