@@ -11,4 +11,5 @@ EXIT_TIMEOUT = "SPREAD_EXIT_TIMEOUT"  # seconds the release at interpreter exit 
 PS_TRANSPORT = "SPREAD_PS_TRANSPORT"  # the parameter servers' RPC layer: "zmq" (default) or "grpc"
 DEBUG_COLLECTIVES = "SPREAD_DEBUG_COLLECTIVES"  # "1": log every collective
 TUNE_MALLOC = "SPREAD_TUNE_MALLOC"  # "0": leave glibc's allocator as it is (cluster/allocator.py)
+TRACE_DIR = "SPREAD_TRACE_DIR"  # `spread run --trace DIR`: every fit traces a window of steps into DIR
 CHECKPOINT_CRASH_AT = "SPREAD_CHECKPOINT_CRASH_AT"  # chaos tests: die at a named point of a save

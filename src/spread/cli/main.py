@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from spread import __version__
 from spread.cli._parser import SuggestingParser
 
-_SUBCOMMANDS = ("spread.cli.run", "spread.cli.plan", "spread.cli.bench")
+_SUBCOMMANDS = ("spread.cli.run", "spread.cli.plan", "spread.cli.bench", "spread.cli.trace")
 
 _DESCRIPTION = """\
 spread: distributed training for PyTorch with tf.distribute-style strategies.

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
+from spread import env
+
 _DESCRIPTION = """\
 Start N local processes ("ranks") of a Python script with torchrun's environment, so that any script
 written for torchrun runs unchanged (and spread's strategies find their cluster):
@@ -247,6 +249,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add("--evaluator", action="store_true", help="with --ps: also start an evaluator task")
     add("--role", default="default", help="the ranks' role name (ROLE_NAME; default: default)")
     add("--no-prefix", action="store_true", help='do not prefix output lines with "[rank R] "')
+    add(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="trace steps 2-4 of every Trainer.fit with torch.profiler: DIR/rank-<r>.json per rank, "
+        "merged into DIR/timeline.json when the job ends (draw it: spread trace plot DIR)",
+    )
     add("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT")
     add(
         "--no-python",
@@ -314,6 +323,17 @@ def _rendezvous_address(args: argparse.Namespace) -> tuple[str | None, int | Non
     return host.strip("[]") or None, _port(port)
 
 
+def _merge_traces(directory: str) -> None:
+    """After the job: one timeline of the ranks' traces, if any rank wrote one."""
+    from spread.train.timeline import merge_traces, rank_traces  # torch comes with it: after the job
+
+    if os.path.isdir(directory) and rank_traces(directory):
+        merged = merge_traces(directory)
+        print(f"spread run: one timeline of all ranks in {merged} (spread trace plot {directory} draws it)")
+    else:
+        print(f"spread run: --trace {directory}: no rank traced a Trainer.fit", file=sys.stderr)
+
+
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Build the launch configuration from parsed ``args`` and run it; returns the exit status."""
     from spread.cluster.launcher import LaunchConfig, launch
@@ -348,8 +368,13 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(_as_flags(str(exc)))
+    if args.trace is not None:  # the ranks inherit it; Trainer.fit traces into it
+        os.environ[env.TRACE_DIR] = os.path.abspath(args.trace)
     try:
-        return launch(config)
+        code = launch(config)
+        if args.trace is not None:
+            _merge_traces(args.trace)
+        return code
     except (FileNotFoundError, ValueError) as exc:
         print(f"spread run: error: {exc}", file=sys.stderr)
         return 2

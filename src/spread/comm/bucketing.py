@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from spread.comm.algorithms import AllReduceAlgorithm
 from spread.comm.ops import Collectives
@@ -211,6 +212,8 @@ class GradientReducer:
         no gradient), then wait for every bucket in order and write the results into ``.grad``."""
         ready, fresh = self._ready, self._fresh
         started = time.perf_counter()
+        annotation = record_function("spread.gradient_exchange")  # a span in traces
+        annotation.__enter__()
         try:
             for bucket in self.buckets[self._next_launch :]:
                 self._launch(bucket)
@@ -227,6 +230,7 @@ class GradientReducer:
             self._ready, self._fresh = set(), {}
             self._local_pending = False
             self.wait_seconds += time.perf_counter() - started
+            annotation.__exit__(None, None, None)
         self.reductions += 1
 
     def _launch(self, bucket: _Bucket) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from spread.comm.peers import gone_ranks
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
@@ -110,7 +111,8 @@ class Collectives:
         self._check_open(op, seq)
         started = time.perf_counter()
         try:
-            yield seq
+            with record_function(f"spread.{op}"):  # a span in traces (spread run --trace)
+                yield seq
         except CollectiveError:
             raise
         except (RuntimeError, dist.DistError) as exc:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+from torch.profiler import record_function
+
 T = TypeVar("T")
 
 _DONE = object()
@@ -66,7 +68,8 @@ def prefetch(source: Iterator[T], depth: int, clock: WaitClock | None = None) ->
     try:
         while True:
             started = time.perf_counter()
-            item = items.get()
+            with record_function("spread.data_wait"):  # a span in traces (spread run --trace)
+                item = items.get()
             if clock is not None:
                 clock.seconds += time.perf_counter() - started
                 clock.batches += 1
@@ -88,7 +91,8 @@ def _timed(source: Iterator[T], clock: WaitClock | None) -> Iterator[T]:
     while True:
         started = time.perf_counter()
         try:
-            item = next(source)
+            with record_function("spread.data_wait"):
+                item = next(source)
         except StopIteration:
             return
         if clock is not None:

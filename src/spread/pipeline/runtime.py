@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from spread.memory import SavedTensorBytes
 from spread.pipeline.p2p import StageLink
@@ -129,91 +130,95 @@ class StageRunner:
         saved: dict[int, int] = {}  # micro-batch -> bytes its forward saved for backward (recorded runs)
         live_saved = 0
         for a in actions:
-            i = a.microbatch
-            if a.op is Op.RECV_ACT:
-                parts = [self.link.recv_activation(i, keys[i], j) for j in range(self._parts(inputs, i))]
-                wants_grad[i] = tuple(w for _, w in parts)
-                received[i] = tuple(data.requires_grad_(w) for data, w in parts)
-                received_count += 1
-                if received_count < len(recv_order):  # overlap the next transfer with this compute
-                    self._prefetch(recv_order[received_count], inputs, keys)
-            elif a.op is Op.SEND_ACT:
-                for j, out in enumerate(outputs[i]):
-                    self.link.send_activation(out, i, keys[i], j)
-                for j, out in enumerate(outputs[i]):
-                    if out.requires_grad:  # its gradient may arrive while we compute others
-                        self.link.prefetch_grad(out, i, j)
-            elif a.op is Op.RECV_GRAD:
-                grads[i] = [
-                    self.link.recv_grad(out, i, j) for j, out in enumerate(outputs[i]) if out.requires_grad
-                ]
-            elif a.op is Op.SEND_GRAD:
-                for j, (data, w) in enumerate(zip(received.get(i, ()), wants_grad.get(i, ()), strict=True)):
-                    if w:
-                        grad = data.grad
-                        self.link.send_grad(grad if grad is not None else torch.zeros_like(data), i, j)
-                received.pop(i, None)
-            elif a.op is Op.FORWARD:
-                t0 = time.perf_counter()
-                args = self._args(inputs, received, i)
-                with (
-                    self._meter(args[0] if self.is_first else None) as meter,
-                    split.forward() if split is not None else nullcontext() as graph,
-                    forward_context() if forward_context is not None else nullcontext(),
-                ):
-                    out = self.module(*args)
+            with record_function(f"spread.pipeline.{a.op.name.lower()} mb{a.microbatch}"):  # traces
+                i = a.microbatch
+                if a.op is Op.RECV_ACT:
+                    parts = [self.link.recv_activation(i, keys[i], j) for j in range(self._parts(inputs, i))]
+                    wants_grad[i] = tuple(w for _, w in parts)
+                    received[i] = tuple(data.requires_grad_(w) for data, w in parts)
+                    received_count += 1
+                    if received_count < len(recv_order):  # overlap the next transfer with this compute
+                        self._prefetch(recv_order[received_count], inputs, keys)
+                elif a.op is Op.SEND_ACT:
+                    for j, out in enumerate(outputs[i]):
+                        self.link.send_activation(out, i, keys[i], j)
+                    for j, out in enumerate(outputs[i]):
+                        if out.requires_grad:  # its gradient may arrive while we compute others
+                            self.link.prefetch_grad(out, i, j)
+                elif a.op is Op.RECV_GRAD:
+                    grads[i] = [
+                        self.link.recv_grad(out, i, j)
+                        for j, out in enumerate(outputs[i])
+                        if out.requires_grad
+                    ]
+                elif a.op is Op.SEND_GRAD:
+                    pairs = zip(received.get(i, ()), wants_grad.get(i, ()), strict=True)
+                    for j, (data, w) in enumerate(pairs):
+                        if w:
+                            grad = data.grad
+                            self.link.send_grad(grad if grad is not None else torch.zeros_like(data), i, j)
+                    received.pop(i, None)
+                elif a.op is Op.FORWARD:
+                    t0 = time.perf_counter()
+                    args = self._args(inputs, received, i)
+                    with (
+                        self._meter(args[0] if self.is_first else None) as meter,
+                        split.forward() if split is not None else nullcontext() as graph,
+                        forward_context() if forward_context is not None else nullcontext(),
+                    ):
+                        out = self.module(*args)
+                        if self.is_last:
+                            loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
+                    if graph is not None:
+                        graphs[i] = graph
+                    if meter is not None:
+                        saved[i] = meter.bytes
+                        live_saved += meter.bytes
+                        times.peak_saved_bytes = max(times.peak_saved_bytes, live_saved)
                     if self.is_last:
-                        loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
-                if graph is not None:
-                    graphs[i] = graph
-                if meter is not None:
-                    saved[i] = meter.bytes
-                    live_saved += meter.bytes
-                    times.peak_saved_bytes = max(times.peak_saved_bytes, live_saved)
-                if self.is_last:
-                    if on_loss is not None:
-                        on_loss(i, out, targets[i], loss)  # type: ignore[index]
-                    losses[i] = loss
-                else:
-                    outputs[i] = _as_parts(out)
-                self._account(times, a, t0)
-            elif a.op is Op.BACKWARD:
-                t0 = time.perf_counter()
-                live_saved -= saved.pop(i, 0)
-                done_backward += 1
-                last = done_backward == num_backward
-                with nullcontext() if last or no_sync is None else no_sync():
-                    if self.is_last:
-                        (losses.pop(i) * weights[i]).backward()
+                        if on_loss is not None:
+                            on_loss(i, out, targets[i], loss)  # type: ignore[index]
+                        losses[i] = loss
                     else:
-                        roots = [o for o in outputs.pop(i) if o.requires_grad]
-                        if roots:
-                            torch.autograd.backward(roots, grads.pop(i))
-                self._account(times, a, t0)
-            elif a.op is Op.BACKWARD_INPUT:
-                t0 = time.perf_counter()
-                assert split is not None
-                if self.is_last:
-                    root, grad = losses.pop(i) * weights[i], None
-                else:
-                    (root,), grad = outputs.pop(i), grads.pop(i, [None])[0]
-                if root.requires_grad:
-                    stage_input = received[i][0] if any(wants_grad.get(i, ())) else None
-                    with nullcontext() if no_sync is None else no_sync():
-                        split.backward_input(graphs[i], root, grad, stage_input)
-                self._account(times, a, t0)
-            elif a.op is Op.BACKWARD_WEIGHT:
-                t0 = time.perf_counter()
-                assert split is not None
-                live_saved -= saved.pop(i, 0)
-                done_backward += 1
-                graph = graphs.pop(i)
-                if done_backward == num_backward:  # the exchange (hybrid) follows its last engine call
-                    split.backward_weight(graph, no_sync)
-                else:
-                    with nullcontext() if no_sync is None else no_sync():
-                        split.backward_weight(graph)
-                self._account(times, a, t0)
+                        outputs[i] = _as_parts(out)
+                    self._account(times, a, t0)
+                elif a.op is Op.BACKWARD:
+                    t0 = time.perf_counter()
+                    live_saved -= saved.pop(i, 0)
+                    done_backward += 1
+                    last = done_backward == num_backward
+                    with nullcontext() if last or no_sync is None else no_sync():
+                        if self.is_last:
+                            (losses.pop(i) * weights[i]).backward()
+                        else:
+                            roots = [o for o in outputs.pop(i) if o.requires_grad]
+                            if roots:
+                                torch.autograd.backward(roots, grads.pop(i))
+                    self._account(times, a, t0)
+                elif a.op is Op.BACKWARD_INPUT:
+                    t0 = time.perf_counter()
+                    assert split is not None
+                    if self.is_last:
+                        root, grad = losses.pop(i) * weights[i], None
+                    else:
+                        (root,), grad = outputs.pop(i), grads.pop(i, [None])[0]
+                    if root.requires_grad:
+                        stage_input = received[i][0] if any(wants_grad.get(i, ())) else None
+                        with nullcontext() if no_sync is None else no_sync():
+                            split.backward_input(graphs[i], root, grad, stage_input)
+                    self._account(times, a, t0)
+                elif a.op is Op.BACKWARD_WEIGHT:
+                    t0 = time.perf_counter()
+                    assert split is not None
+                    live_saved -= saved.pop(i, 0)
+                    done_backward += 1
+                    graph = graphs.pop(i)
+                    if done_backward == num_backward:  # the exchange (hybrid) follows its last engine call
+                        split.backward_weight(graph, no_sync)
+                    else:
+                        with nullcontext() if no_sync is None else no_sync():
+                            split.backward_weight(graph)
+                    self._account(times, a, t0)
         self.link.wait_sends()
         times.total = time.perf_counter() - started
         self.last_times = times

@@ -15,6 +15,7 @@ strategy's contract so that it means what it means on one device: the fp16 loss 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import warnings
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from spread.checkpoint.compat import field_mismatches, raise_if
 from spread.data import DistributedDataset, ReplicaLayout
@@ -42,6 +44,8 @@ from spread.train.out_of_memory import explained_out_of_memory
 from spread.train.outputs import loss_of, prediction_of
 from spread.train.precision import Precision, check_precision
 from spread.train.stragglers import StragglerWatch
+from spread.train.timeline import merge_traces, rank_traces
+from spread.train.tracing import StepTracer, TraceWindow
 from spread.train.weighting import class_weight_table, class_weights_of, per_sample_loss, weighted_mean
 
 NONFINITE_POLICIES = ("raise", "skip_step")
@@ -99,6 +103,10 @@ class Trainer:
         clip_grad_value: clip each gradient element to ``[-v, v]`` (after ``clip_grad_norm``).
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a loss scaler; see
             :mod:`spread.train.precision`).
+        profile: trace a window of each ``fit``'s steps with ``torch.profiler`` into a directory
+            (``rank-<r>.json`` per rank, merged by the chief into ``timeline.json``): a directory
+            (steps 2-4), or a :class:`~spread.train.tracing.TraceWindow`. Default: the directory
+            ``spread run --trace`` gives, else none (see :mod:`spread.train.tracing`).
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class Trainer:
         clip_grad_value: float | None = None,
         precision: str = "32",
         coordinator: ClusterCoordinator | None = None,
+        profile: str | os.PathLike[str] | TraceWindow | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
@@ -167,6 +176,8 @@ class Trainer:
         self._pending_callback_states: dict[str, Any] | None = None  # restored, not yet given back
         self._class_weights: torch.Tensor | None = None  # the running fit's class_weight table
         self.stragglers: StragglerWatch | None = None  # the running (or last) fit's straggler watch
+        self._trace_window = TraceWindow.of(profile)  # None: no tracing (nor spread run --trace)
+        self._tracer: StepTracer | None = None
         self.history = History()
         self.active_callbacks: list[Callback] = []  # the running fit's callbacks on this rank
         self._fit_callbacks: list[Callback] = []  # the running fit's callbacks, on this rank or not
@@ -218,7 +229,7 @@ class Trainer:
                 "sample or class weights weigh each sample's loss, but Trainer(loss_fn=None) takes the "
                 "model's own mean loss: pass a loss_fn"
             )
-        with self.forward_context():
+        with self.forward_context(), record_function("spread.forward"):
             output = self._forward(batch)
             prediction = prediction_of(output)
             if batch.size == 0:
@@ -240,7 +251,8 @@ class Trainer:
         if self.accumulation_steps > 1:
             return self._accumulate_replica_step(b)
         prediction, loss = self._forward_loss(b, self._class_weights)
-        self.precision.scale(loss).backward()
+        with record_function("spread.backward"):
+            self.precision.scale(loss).backward()
         return self.batch_stats(prediction, b.targets, loss, b.size)
 
     def _accumulate_replica_step(self, batch: Batch) -> torch.Tensor:
@@ -349,8 +361,9 @@ class Trainer:
         cbs = self._start_fit(epochs, steps, global_batch_size, verbose, callbacks, progress=bool(verbose))
         self.train_dataset = train
         self._resume = None
+        tracer = self._tracer = self._new_tracer()
         try:
-            return self._fit_epochs(
+            history = self._fit_epochs(
                 cbs,
                 train,
                 epochs=epochs,
@@ -359,9 +372,15 @@ class Trainer:
                 validation_data=validation_data,
                 validation_batch_size=validation_batch_size or global_batch_size,
             )
+            if tracer is not None:
+                self._finish_trace(tracer)
+            return history
         except KeyboardInterrupt as interrupt:
             raise self._where_interrupted(interrupt) from None
         finally:
+            if tracer is not None:
+                tracer.stop()
+            self._tracer = None
             cbs.call("on_fit_exit")
             self.active_callbacks = []
             self._class_weights = None
@@ -491,7 +510,10 @@ class Trainer:
                     break
                 cbs.call("on_train_batch_begin", step, {})
                 started = time.perf_counter()
-                packed, step_logs = self._train_step(batch)
+                with record_function("spread.step"):
+                    packed, step_logs = self._train_step(batch)
+                if self._tracer is not None:
+                    self._tracer.step()
                 if watch is not None:  # collective every few steps: every rank steps alike
                     now_waited = train.wait_clock.seconds
                     watch.after_step(time.perf_counter() - started, now_waited - waited)
@@ -567,6 +589,22 @@ class Trainer:
             )
         self.skipped_steps += 1
         return packed.new_zeros(packed.shape), {"stepped": False}
+
+    def _new_tracer(self) -> StepTracer | None:
+        """This fit's tracer, started, when ``profile`` (or ``spread run --trace``) asks for one."""
+        if self._trace_window is None:
+            return None
+        tracer = StepTracer(self._trace_window, self.strategy.rank, self.strategy.device)
+        tracer.start()
+        return tracer
+
+    def _finish_trace(self, tracer: StepTracer) -> None:
+        """Close the window (a fit shorter than it writes what it has), then the chief merges every
+        rank's trace into one timeline once all are written (collective: every rank traced alike)."""
+        tracer.stop()
+        self.strategy.gather_from_every_rank(torch.zeros(1, 1, device=self.strategy.device))
+        if self.is_chief and rank_traces(tracer.window.directory):
+            merge_traces(tracer.window.directory)
 
     def _where_interrupted(self, interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
         """Ctrl-C in ``fit``: a ``KeyboardInterrupt`` saying where training stopped, raised from
