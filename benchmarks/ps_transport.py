@@ -4,7 +4,7 @@ Candidates, each with its server in a second process (1 thread each):
   spread-zmq spread.ps.zmq_transport (the default): pyzmq ROUTER/DEALER, multipart wire frames
             sent without copying, HMAC token proof in every message
   spread-grpc spread.ps.grpc_transport: the same API on grpcio (generic handlers, wire frames as
-            raw bytes, HMAC token proof in the call metadata)
+            raw bytes, HMAC token proof in the call metadata, mutual TLS keyed by the token)
   grpc      grpcio generic handlers with raw-bytes (de)serializers carrying the same wire frames and
             a token proof in the call metadata (no protobuf codegen, no pickle)
   torch_rpc torch.distributed.rpc with TensorPipe (pickles Python arguments: not allowed for spread)

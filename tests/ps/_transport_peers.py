@@ -9,7 +9,11 @@ every other request with a task.
 
 from __future__ import annotations
 
+import socket
+import ssl
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import grpc
@@ -143,11 +147,28 @@ _GRPC_STATUS = {
 
 
 def _grpc_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    options = [("grpc.enable_http_proxy", 0), ("grpc.ssl_target_name_override", grpc_rpc.TLS_NAME)]
+    return grpc.secure_channel(address, grpc_rpc.channel_credentials(TOKEN), options=options)
+
+
+def grpc_tls_socket(host: str, port: int, token: str = TOKEN) -> ssl.SSLSocket:
+    """A TLS connection to a gRPC server with ``token``'s identity, for hand-made HTTP/2 behind it."""
+    identity = grpc_rpc.tls_identity(token)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=identity.root.decode())
+    with tempfile.TemporaryDirectory() as folder:  # ssl loads a key only from a file
+        chain, key = Path(folder, "chain.pem"), Path(folder, "key.pem")
+        chain.write_bytes(identity.chain)
+        key.write_bytes(identity.key)
+        context.load_cert_chain(chain, key)
+    context.set_alpn_protocols(["h2"])
+    sock = socket.create_connection((host, port), timeout=30)
+    return context.wrap_socket(sock, server_hostname=grpc_rpc.TLS_NAME)
 
 
 class GrpcRawCaller:
-    """A gRPC channel calling ``/spread.ps/<method>`` with hand-made bytes and metadata."""
+    """A gRPC channel calling ``/spread.ps/<method>`` with hand-made bytes and metadata; it holds the
+    job's TLS identity (the session layer behind it is what it tests), whatever token it signs with."""
 
     def __init__(self, address: str) -> None:
         self.channel = _grpc_channel(address)
@@ -202,8 +223,9 @@ class GrpcRawCaller:
 
 
 class GrpcFakeServer:
-    """A gRPC server without the token at a server's address: ``answers`` maps a method to what it
-    returns (bytes for a unary call, a list of items for a stream)."""
+    """A gRPC server without the token at a server's address, but with the job's TLS identity (what
+    it meets is the session's proof, behind TLS): ``answers`` maps a method to what it returns (bytes
+    for a unary call, a list of items for a stream)."""
 
     def __init__(self, answers: dict[str, Any]) -> None:
         self.calls: list[str] = []
@@ -220,7 +242,8 @@ class GrpcFakeServer:
 
         self._pool = ThreadPoolExecutor(4)
         self.server = grpc.server(self._pool, handlers=[Handler()])
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        port = self.server.add_secure_port("127.0.0.1:0", grpc_rpc.server_credentials(TOKEN))
+        self.address = f"127.0.0.1:{port}"
         self.server.start()
 
     @classmethod

@@ -610,14 +610,14 @@ def test_grpc_http2_message_declaring_4_gib_is_refused_unread(grpc_server):
     DATA answer); stream 3 the same headers and a message header declaring 4 GiB followed by 1 KiB:
     it must end (trailers or reset) with no DATA, while the rest never arrives.
     """
-    from _transport_peers import GrpcRawCaller
+    from _transport_peers import GrpcRawCaller, grpc_tls_socket
 
     valid = encode({"raw": True})
     raw = GrpcRawCaller(grpc_server.address)
     signed = raw.metadata("echo", valid)
     raw.close()
     host, port = grpc_server.address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock = grpc_tls_socket(host, int(port))
 
     def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
         return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
@@ -629,7 +629,7 @@ def test_grpc_http2_message_declaring_4_gib_is_refused_unread(grpc_server):
         literal(k, v)
         for k, v in [
             (":method", "POST"),
-            (":scheme", "http"),
+            (":scheme", "https"),
             (":path", f"/{grpc_rpc.SERVICE}/echo"),
             (":authority", grpc_server.address),
             ("content-type", "application/grpc"),

@@ -26,16 +26,32 @@ How it maps onto gRPC, without protobuf code generation:
   raises: :class:`JobTokenError`, :class:`WireFormatError` and the client's ``error_type``, each
   naming the server.
 
+* Every connection is mutual TLS keyed by the job token (:func:`tls_identity`): a CA and one
+  certificate whose P-256 keys are derived from the token, made byte-identically by every process
+  of the job; the server requires a client certificate. Why: the session checks run inside an RPC,
+  after gRPC has read the request's body (up to ``max_frame_bytes``), on as many streams as a peer
+  opens; now a peer that cannot present the job's certificate fails the TLS handshake and gRPC reads
+  no HTTP/2 frame of it (a handshake has ``_HANDSHAKE_MS`` to finish). A client whose handshake
+  fails, because the server does not hold the token either, raises :class:`JobTokenError` at once,
+  even when it waits for the server to come up. The session protocol stays behind TLS (defence in
+  depth: it also binds answers to their requests), and a connection carries at most ``_MAX_STREAMS``
+  calls at a time (issue 40, item 3).
+
 Servers bind ``127.0.0.1`` unless given an address (a port in use is an error: ``SO_REUSEPORT`` is
 off); every client call has a deadline; :meth:`GrpcServer.stop` joins every thread it started.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
+import hashlib
+import hmac
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 # gRPC's C core logs at INFO to stderr (a line per connection a stopping server closes) unless told
 # otherwise; keep a user's own setting. Only effective before gRPC is first imported.
@@ -43,6 +59,10 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from spread.errors import JobTokenError, RemoteCallError, WireFormatError
 from spread.ps.rpc_api import (
@@ -72,6 +92,10 @@ _REQUEST, _ANSWER = b"grpc-request", b"grpc-answer"  # MAC labels: a request nev
 _MAX_MESSAGE = (1 << 31) - 1  # gRPC's limits are C ints
 _WINDOW = ("grpc.http2.lookahead_bytes", 8 << 20)  # a larger receive window: 4 MB push ~30% faster
 _STOP_GRACE = 1.0  # seconds stop() lets calls in flight finish
+TLS_NAME = "spread-job.invalid"  # the name in the job's certificate (clients override the target's)
+_MAX_STREAMS = 100  # calls one connection may have in flight (HTTP/2's advised minimum); more wait
+_HANDSHAKE_MS = 10_000  # a connection that has not finished the TLS handshake by then is dropped
+_WAIT_POLL = 0.1  # seconds between handshake attempts while waiting for a server to come up
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _FAULT = grpc.StatusCode.INTERNAL
@@ -87,6 +111,111 @@ def _hex(text: str | None) -> bytes:
         return bytes.fromhex(text or "")
     except ValueError:
         return b""
+
+
+class TlsIdentity(NamedTuple):
+    """A job's TLS material, in PEM: the CA every process trusts, and the certificate and key every
+    server and client presents (all of them hold the token, so one identity serves them all)."""
+
+    root: bytes
+    chain: bytes
+    key: bytes
+
+
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+_VALIDITY = (
+    datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC),
+    datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC),
+)
+
+
+def _derived_key(token: str, label: bytes) -> ec.EllipticCurvePrivateKey:
+    secret = int.from_bytes(hmac.new(token.encode(), label, hashlib.sha256).digest(), "big")
+    return ec.derive_private_key(secret % (_P256_ORDER - 1) + 1, ec.SECP256R1())
+
+
+def _key_usage(*, sign_certificates: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=not sign_certificates,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=sign_certificates,
+        crl_sign=sign_certificates,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+@functools.cache
+def tls_identity(token: str) -> TlsIdentity:
+    """The job's TLS identity, derived from the token alone: keys from HMAC-SHA256(token, label),
+    fixed names, serials and dates, RFC 6979 signatures, so every process makes the same bytes without
+    exchanging any, and a process without the token can make none that the job's processes accept."""
+    ca_key, key = _derived_key(token, b"spread grpc tls ca"), _derived_key(token, b"spread grpc tls peer")
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spread job CA")])
+    start, end = _VALIDITY
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(1)
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(sign_certificates=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256(), ecdsa_deterministic=True)
+    )
+    peer = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(2)
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(sign_certificates=False), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256(), ecdsa_deterministic=True)
+    )
+    pem = serialization.Encoding.PEM
+    return TlsIdentity(
+        ca.public_bytes(pem),
+        peer.public_bytes(pem),
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
+
+
+def server_credentials(token: str) -> grpc.ServerCredentials:
+    """Mutual TLS: only a client presenting the job's certificate gets past the handshake."""
+    identity = tls_identity(token)
+    return grpc.ssl_server_credentials(
+        [(identity.key, identity.chain)], root_certificates=identity.root, require_client_auth=True
+    )
+
+
+def channel_credentials(token: str) -> grpc.ChannelCredentials:
+    """A client's side of :func:`server_credentials`; it accepts only a server holding the token."""
+    identity = tls_identity(token)
+    return grpc.ssl_channel_credentials(identity.root, identity.key, identity.chain)
+
+
+def _tls_refused(exc: grpc.RpcError) -> bool:
+    """The server's certificate is not the job's (it holds another token), as opposed to nobody
+    listening, a connection lost or a handshake that ran out of time; gRPC says so only in the
+    details (a client checks the server's certificate before sending its own)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "CERTIFICATE_VERIFY_FAILED" in (exc.details() or "")
 
 
 def _metadata(metadata: Any) -> dict[str, str]:
@@ -219,13 +348,15 @@ class GrpcServer(RpcServer):
             ("grpc.keepalive_time_ms", 10_000),  # notice a caller whose host died (stream sessions)
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_concurrent_streams", _MAX_STREAMS),
+            ("grpc.server_handshake_timeout_ms", _HANDSHAKE_MS),
             _WINDOW,
         ]
         self._server = grpc.server(self._executor, handlers=[_Dispatcher(self)], options=options)
         host, port = self._bind_host, self._bind_port
         detail: object
         try:
-            bound = self._server.add_insecure_port(_target(host, port))
+            bound = self._server.add_secure_port(_target(host, port), server_credentials(token))
         except RuntimeError as exc:
             bound, detail = 0, exc
         else:
@@ -375,8 +506,11 @@ class GrpcClient(RpcClient):
             # 100 ms of it failed first calls on a loaded machine.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.ssl_target_name_override", TLS_NAME),
         ]
-        self._channel = grpc.insecure_channel(_target(self._host, self._port), options=options)
+        self._channel = grpc.secure_channel(
+            _target(self._host, self._port), channel_credentials(token), options=options
+        )
         self._unary: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
     def _method(self, method: str, op: str) -> grpc.UnaryUnaryMultiCallable:
@@ -398,6 +532,8 @@ class GrpcClient(RpcClient):
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return JobTokenError(f"{self.peer}: {op} refused: {details}")
+        if _tls_refused(exc):
+            return self._impostor(op)
         if code == _INVALID:
             return WireFormatError(f"{self.peer}: {op} refused: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -421,7 +557,7 @@ class GrpcClient(RpcClient):
             stub = self._method(HELLO, op)
             handshake = ClientHandshake(self._token)
             try:
-                answer = stub(handshake.nonce, timeout=budget, wait_for_ready=wait_for_ready)
+                answer = self._hello(stub, handshake.nonce, budget, wait_for_ready)
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise self._error(exc, op, budget, wait_for_ready) from None
@@ -430,6 +566,8 @@ class GrpcClient(RpcClient):
                 raise self._impostor(op) from None
             except ValueError as exc:  # the channel was closed under this call
                 raise self._failed(op, f"the client was closed ({exc})") from None
+            if answer is None:
+                raise self._failed(op, f"not reachable or no answer within {budget:g}s")
             view = memoryview(answer)
             session = None
             if len(answer) == SESSION_ID_BYTES + NONCE_BYTES + MAC_BYTES:
@@ -441,6 +579,26 @@ class GrpcClient(RpcClient):
                 raise self._impostor(op)
             self._session = session
             return session
+
+    @staticmethod
+    def _hello(
+        stub: grpc.UnaryUnaryMultiCallable, nonce: bytes, budget: float, wait_for_ready: bool
+    ) -> bytes | None:
+        """The handshake's answer, or None if the server was unreachable until the deadline. Waiting
+        is done here, by attempts that fail fast, not by gRPC's ``wait_for_ready``: that retries a
+        failed TLS handshake silently until the deadline, and a server of another job must be named
+        at once."""
+        deadline = time.monotonic() + budget
+        while True:
+            try:
+                return stub(nonce, timeout=max(deadline - time.monotonic(), 0.0), wait_for_ready=False)
+            except grpc.RpcError as exc:
+                if not wait_for_ready or exc.code() != grpc.StatusCode.UNAVAILABLE or _tls_refused(exc):
+                    raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(_WAIT_POLL, left))
 
     def _signed(self, session: Session, method: str, request: bytes) -> tuple[bytes, tuple]:
         seq = seq_bytes(session.next_seq())
