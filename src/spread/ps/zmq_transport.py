@@ -94,6 +94,7 @@ _PART_BYTES = 16 << 20  # a tensor over this travels in several parts: MAXMSGSIZ
 _CURVE_OVERHEAD = 64  # what CURVE adds to each part on the wire (33 bytes), rounded up
 _CURVE = zmq.has("curve")  # libzmq built with CURVE (pyzmq's wheels always are)
 _HANDSHAKE_MS = 10_000  # a connection that has not finished the CURVE handshake by then is dropped
+_HANDSHAKE_TRIES = 3  # failed CURVE handshakes in a row before a client calls the server an impostor
 _SNDHWM = 1000  # answers queued for one peer that reads none; then they are dropped
 _HEARTBEAT_MS = 10_000  # ZMTP heartbeats: notice a peer whose host died (no FIN ever comes)
 _PROBE_INTERVAL = 0.5  # at most one liveness probe per stream this often
@@ -574,6 +575,7 @@ class _Connection:
     def wait_connected(self, deadline: float, wait_for_ready: bool) -> bool:
         """True once connected; raises :class:`_Lost` if refused (unless waiting for it to start), and
         :class:`_Impostor` when the handshake fails (the peer does not hold the job's CURVE key)."""
+        failed_handshakes = 0
         while not self.connected:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -581,10 +583,16 @@ class _Connection:
             if not self.monitor.poll(max(1, int(remaining * 1000))):
                 continue
             for event in self.events():
-                if event == zmq.EVENT_CONNECT_RETRIED and not wait_for_ready:
+                if event == zmq.EVENT_CONNECT_RETRIED and not wait_for_ready and not failed_handshakes:
                     raise _Lost("unreachable (it died or never started): connection refused")
                 if event & _HANDSHAKE_FAILED:
-                    raise _Impostor()
+                    # A server that dropped a handshake it found too slow (a loaded machine) looks
+                    # the same from here as one holding another key: only a repeated failure (ZeroMQ
+                    # reconnects at once) is taken for another job's server.
+                    failed_handshakes += 1
+                    ambiguous = event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL  # dropped, no reason given
+                    if not ambiguous or failed_handshakes >= _HANDSHAKE_TRIES:
+                        raise _Impostor()
         return True
 
     def receive(self, rid: bytes, deadline: float | None) -> list[zmq.Frame] | None:
