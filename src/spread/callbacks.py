@@ -15,9 +15,11 @@ from spread.train.callbacks import (
     History,
     LearningRateScheduler,
     Logs,
+    MLflowLogger,
     ModelCheckpoint,
     ProgressBar,
     TensorBoard,
+    WandbLogger,
 )
 
 __all__ = [
@@ -30,7 +32,9 @@ __all__ = [
     "History",
     "LearningRateScheduler",
     "Logs",
+    "MLflowLogger",
     "ModelCheckpoint",
     "ProgressBar",
     "TensorBoard",
+    "WandbLogger",
 ]

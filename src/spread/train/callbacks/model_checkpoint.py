@@ -91,9 +91,12 @@ class ModelCheckpoint(Callback):
         self._batches_since_save = 0
         self._epoch = 0
         self._warned_missing = False
+        # The files written in the current fit, in order (on the chief): what a tracker logger uploads.
+        self.saved: list[str] = []
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._batches_since_save = 0
+        self.saved = []
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
@@ -201,3 +204,4 @@ class ModelCheckpoint(Callback):
             atomic_save(state, path, write_safetensors)
         else:
             atomic_save(state, path)
+        self.saved.append(path)
