@@ -35,6 +35,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from spread.comm.algorithms import AllReduceAlgorithm
+from spread.comm.flight import RECORDER
 from spread.comm.ops import Collectives
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -214,6 +215,7 @@ class GradientReducer:
         started = time.perf_counter()
         annotation = record_function("spread.gradient_exchange")  # a span in traces
         annotation.__enter__()
+        RECORDER.begin("gradient_exchange")
         try:
             for bucket in self.buckets[self._next_launch :]:
                 self._launch(bucket)
@@ -230,6 +232,7 @@ class GradientReducer:
             self._ready, self._fresh = set(), {}
             self._local_pending = False
             self.wait_seconds += time.perf_counter() - started
+            RECORDER.end()
             annotation.__exit__(None, None, None)
         self.reductions += 1
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from spread.comm.flight import RECORDER, explain_wait
 from spread.comm.peers import gone_ranks
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
@@ -42,7 +43,9 @@ def classify_error(rank: int, op: str, seq: int, exc: BaseException) -> Collecti
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     lower = str(exc).lower()
     if any(m in lower for m in _TIMEOUT_MARKERS):
-        return CollectiveTimeout(rank, op, seq, f"no answer from a peer before the deadline ({text})")
+        culprits = explain_wait()
+        detail = f"no answer from a peer before the deadline ({text})"
+        return CollectiveTimeout(rank, op, seq, f"{detail}: {culprits}" if culprits else detail)
     if any(m in lower for m in _LOST_MARKERS):
         return PeerLostError(rank, op, seq, f"{_who_went_away()} ({text})")
     return CollectiveError(rank, op, seq, text)
@@ -99,6 +102,10 @@ class Collectives:
         if self._closed:
             raise CollectiveError(self.rank, op, seq, "used after close() (the strategy was closed)")
 
+    def _recorded(self) -> bool:
+        """Whether this thread's collectives go in the flight recorder: the training loop's only."""
+        return threading.current_thread() is threading.main_thread()
+
     def _count_wait(self, seconds: float) -> None:
         # Only the training loop's thread: an algorithm exchanging on its own thread overlaps the
         # loop's computing, it does not hold it up (the gradient reducer counts the loop's wait).
@@ -110,6 +117,9 @@ class Collectives:
         seq = next(self._seq)
         self._check_open(op, seq)
         started = time.perf_counter()
+        recorded = self._recorded()
+        if recorded:
+            RECORDER.begin(op)
         try:
             with record_function(f"spread.{op}"):  # a span in traces (spread run --trace)
                 yield seq
@@ -118,6 +128,8 @@ class Collectives:
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self.rank, op, seq, exc) from exc
         finally:
+            if recorded:
+                RECORDER.end()
             self._count_wait(time.perf_counter() - started)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, name: str = "all_reduce") -> torch.Tensor:

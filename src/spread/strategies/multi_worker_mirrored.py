@@ -39,6 +39,7 @@ from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_alg
 from spread.comm.bucketing import COMPRESSIONS
 from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import bucket_graph_breaks
+from spread.comm.flight import start_watch, stop_watch
 from spread.comm.ops import destroy_group
 from spread.comm.peers import record_job_processes
 from spread.data import DataChannel, ReplicaLayout, StepInfo
@@ -120,6 +121,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 )
             self.collectives = Collectives(device=self._device)
             record_job_processes(self.collectives)  # a lost peer is then named by rank
+            if rendezvous is not None and self.cluster.world_size > 1:  # a hang names who it waits for
+                start_watch(rendezvous.store, self.cluster.rank, self.cluster.world_size)
+                self._resources.push(stop_watch)
             self._reducer: GradientReducer | None = None
             self.algorithm: AllReduceAlgorithm = make_algorithm(
                 communication, self.collectives, local_world_size=self.cluster.local_world_size

@@ -28,6 +28,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from spread.checkpoint.compat import field_mismatches, raise_if
+from spread.comm.flight import RECORDER
 from spread.data import DistributedDataset, ReplicaLayout
 from spread.data.batches import Batch, as_batch
 from spread.errors import NonFiniteLossError, SpreadError
@@ -229,6 +230,7 @@ class Trainer:
                 "sample or class weights weigh each sample's loss, but Trainer(loss_fn=None) takes the "
                 "model's own mean loss: pass a loss_fn"
             )
+        RECORDER.set_phase(f"forward of step {self.global_step + 1}")
         with self.forward_context(), record_function("spread.forward"):
             output = self._forward(batch)
             prediction = prediction_of(output)
@@ -251,6 +253,7 @@ class Trainer:
         if self.accumulation_steps > 1:
             return self._accumulate_replica_step(b)
         prediction, loss = self._forward_loss(b, self._class_weights)
+        RECORDER.set_phase(f"backward of step {self.global_step + 1}")
         with record_function("spread.backward"):
             self.precision.scale(loss).backward()
         return self.batch_stats(prediction, b.targets, loss, b.size)
@@ -514,6 +517,7 @@ class Trainer:
                     packed, step_logs = self._train_step(batch)
                 if self._tracer is not None:
                     self._tracer.step()
+                RECORDER.set_phase(f"callbacks or data loading after step {self.global_step}")
                 if watch is not None:  # collective every few steps: every rank steps alike
                     now_waited = train.wait_clock.seconds
                     watch.after_step(time.perf_counter() - started, now_waited - waited)
@@ -532,6 +536,7 @@ class Trainer:
             if watch is not None:
                 logs.update(watch.epoch_figures())
             if has_validation:
+                RECORDER.set_phase(f"validation after epoch {epoch + 1}")
                 val_logs = self._evaluate(validation_data, validation_batch_size, None)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             if self.lr_schedule is not None:
