@@ -1,20 +1,25 @@
 """Asynchronous parameter servers with a descheduled worker: chief validation accuracy over many runs,
-gradients applied as they come (``stale_gradients="apply"``) against scaled by their staleness
-(``"scale"``, the default), in one invocation.
+synchronous (``mode="sync"``, the reference), gradients applied as they come
+(``stale_gradients="apply"``), scaled by their staleness (``"scale"``, the default), and TensorFlow's
+asynchronous ParameterServerStrategy, in one invocation.
 
     flock /tmp/spread-bench.lock .venv/bin/python benchmarks/ps_staleness.py [--runs 20] [--epochs 6]
 
-Each run is ``spread run --workers 1 --ps 2`` (the chief and one worker train, two servers) of the
-digits classifier with SGD + momentum (lr 0.1, momentum 0.9, global batch 64). The worker stops itself
-(SIGSTOP, a child sends SIGCONT 2 s later) once, at a random step of its first epochs, as a loaded
-machine deschedules a process; the two modes run the same random stops (seeded per run), alternating.
-TensorFlow's ParameterServerStrategy is not installed on the development machine; the issue's
-comparison with it is left to a machine that has it.
+Each spread run is ``spread run --workers 1 --ps 2`` (the chief and one worker train, two servers) of
+the digits classifier with SGD + momentum (lr 0.1, momentum 0.9, global batch 64). The worker stops
+itself (SIGSTOP, a child sends SIGCONT 2 s later) once, at a random step of its first epochs, as a
+loaded machine deschedules a process; every mode runs the same random stops (seeded per run), in an
+order that rotates from run to run. The TensorFlow row (when ``tensorflow`` is importable; ``pip
+install tensorflow-cpu==2.21.0``, the ``bench`` extra) runs ``benchmarks/tf_ps_staleness.py``: the
+same data, split, initial weights and optimizer from a ``.npz`` this launcher writes with torch, two
+servers, two workers of 32 samples a step and a chief that only coordinates, the same samples in all,
+worker 1 stopped for 2 s near the same step (that module's docstring says how, and where it differs).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -34,7 +39,10 @@ from torch import nn
 import spread
 
 mode, stop_at, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-strategy = spread.ParameterServerStrategy(stale_gradients=mode)
+if mode == "sync":
+    strategy = spread.ParameterServerStrategy(mode="sync")
+else:
+    strategy = spread.ParameterServerStrategy(stale_gradients=mode)
 with strategy.scope():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -87,6 +95,54 @@ def _run(script: Path, mode: str, stop_at: int, epochs: int) -> dict:
     return json.loads(found.group(0))
 
 
+MODES = ("sync", "apply", "scale", "tensorflow")
+HERE = Path(__file__).resolve().parent
+
+
+def _write_digits(path: Path) -> None:
+    """The job's data (same permutation and split) and initial weights, for the TensorFlow processes:
+    computed here with torch, so that no process imports both frameworks."""
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+    from torch import nn
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    arrays = {"x": x[order].numpy(), "y": y[order].numpy().astype(np.int32)}
+    for k, layer in enumerate((model[0], model[2])):  # Keras-style kernels: (in, out)
+        arrays[f"kernel{k}"] = layer.weight.detach().numpy().T.copy()
+        arrays[f"bias{k}"] = layer.bias.detach().numpy()
+    np.savez(path, **arrays)
+
+
+def _run_tf(data: Path, stop_at: int, epochs: int) -> dict:
+    argv = [sys.executable, str(HERE / "tf_ps_staleness.py"), "--data", str(data), "--stop-at", str(stop_at)]
+    out = subprocess.run(
+        [*argv, "--epochs", str(epochs), "--timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    found = re.search(r"\{.*\}", out.stdout)
+    record = json.loads(found.group(0)) if found else {}
+    if out.returncode != 0 or "accuracy" not in record:
+        raise RuntimeError(
+            f"tensorflow run failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        )
+    return record
+
+
+def _describe(mode: str, result: dict) -> str:
+    if mode == "tensorflow":
+        return f"stopped after {result['stopped_after']} steps done, training {result['train_s']} s"
+    return f"damped {result['damped']}, max staleness {result['max_staleness']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,31 +150,44 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}")
+    if "tensorflow" in modes and importlib.util.find_spec("tensorflow") is None:
+        print("tensorflow row skipped: tensorflow is not importable (pip install tensorflow-cpu==2.21.0)")
+        modes.remove("tensorflow")
     steps_per_epoch = 1400 // 64 // 2 + 1  # each of the 2 training tasks: half of each global batch
     rng = random.Random(args.seed)
-    results: dict[str, list[dict]] = {"apply": [], "scale": []}
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     started = time.time()
     with tempfile.TemporaryDirectory() as folder:
-        script = Path(folder, "job.py")
+        script, data = Path(folder, "job.py"), Path(folder, "digits.npz")
         script.write_text(JOB)
+        if "tensorflow" in modes:
+            _write_digits(data)
         for run in range(args.runs):
             stop_at = rng.randint(2, 2 * steps_per_epoch)
-            for mode in ("apply", "scale") if run % 2 == 0 else ("scale", "apply"):
-                result = _run(script, mode, stop_at, args.epochs)
+            for k in range(len(modes)):
+                mode = modes[(run + k) % len(modes)]
+                if mode == "tensorflow":
+                    result = _run_tf(data, stop_at, args.epochs)
+                else:
+                    result = _run(script, mode, stop_at, args.epochs)
                 results[mode].append(result)
                 print(
-                    f"run {run:2d} stop at step {stop_at:2d} {mode:5s}: accuracy {result['accuracy']:.3f} "
-                    f"(damped {result['damped']}, max staleness {result['max_staleness']})",
+                    f"run {run:2d} stop at step {stop_at:2d} {mode:10s}: accuracy {result['accuracy']:.3f} "
+                    f"({_describe(mode, result)})",
                     flush=True,
                 )
     took, load = time.time() - started, os.getloadavg()[0]
     print(f"\n{args.runs} runs per mode, {took:.0f} s, load average {load:.1f}")
-    print("mode   median  mean   min    max    runs < 0.9")
+    print("mode        median  mean   min    max    runs < 0.9")
     for mode, rows in results.items():
         acc = [r["accuracy"] for r in rows]
         print(
-            f"{mode:5s}  {statistics.median(acc):.3f}   {statistics.mean(acc):.3f}  {min(acc):.3f}  "
+            f"{mode:10s}  {statistics.median(acc):.3f}   {statistics.mean(acc):.3f}  {min(acc):.3f}  "
             f"{max(acc):.3f}  {sum(a < 0.9 for a in acc)}"
         )
 
