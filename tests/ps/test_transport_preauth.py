@@ -138,6 +138,7 @@ def grpc_server():
     srv.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["plaintext", "other-tls"])
 def test_grpc_request_bodies_from_a_peer_without_the_token_are_not_read(grpc_server, mode):
     """3 concurrent calls of 50 MiB each, no session, from another process: before TLS gRPC read every

@@ -19,7 +19,11 @@ from spread.testing import launch_ranks, run_ranks
 from spread.testing.ps_jobs import free_ports
 from spread.train.callbacks import BackupAndRestore, Callback, MLflowLogger, ModelCheckpoint
 
-mlflow = pytest.importorskip("mlflow")
+
+def _mlflow():
+    """mlflow, imported when a test needs it (importing it runs `uname`: not at collection)."""
+    return pytest.importorskip("mlflow")
+
 
 N, BATCH, EPOCHS = 64, 16, 3  # 4 steps per epoch, 12 in all
 
@@ -132,13 +136,13 @@ def _rank(
 
 
 def _runs(uri: str, experiment: str) -> list:
-    client = mlflow.MlflowClient(uri)
+    client = _mlflow().MlflowClient(uri)
     found = client.get_experiment_by_name(experiment)
     return client.search_runs([found.experiment_id]) if found else []
 
 
 def _steps(uri: str, run_id: str, key: str) -> list[int]:
-    return sorted(m.step for m in mlflow.MlflowClient(uri).get_metric_history(run_id, key))
+    return sorted(m.step for m in _mlflow().MlflowClient(uri).get_metric_history(run_id, key))
 
 
 @pytest.mark.processes
@@ -164,7 +168,7 @@ def test_a_two_rank_fit_logs_one_run_with_params_metrics_and_checkpoints(trackin
     assert _steps(tracking_uri, run.info.run_id, "epoch/loss") == [0, 1, 2]
     assert _steps(tracking_uri, run.info.run_id, "batch/loss") == [2, 4, 6, 8, 10, 12]
     assert "epoch/timing/compute_ms" in run.data.metrics  # the straggler figures of a 2-process job
-    client = mlflow.MlflowClient(tracking_uri)
+    client = _mlflow().MlflowClient(tracking_uri)
     names = sorted(Path(a.path).name for a in client.list_artifacts(run.info.run_id, "checkpoints"))
     assert names == ["epoch1.pt", "epoch2.pt", "epoch3.pt"]
 
