@@ -213,18 +213,17 @@ class GradientReducer:
         no gradient), then wait for every bucket in order and write the results into ``.grad``."""
         ready, fresh = self._ready, self._fresh
         started = time.perf_counter()
-        annotation = record_function("spread.gradient_exchange")  # a span in traces
-        annotation.__enter__()
         RECORDER.begin("gradient_exchange")
         try:
-            for bucket in self.buckets[self._next_launch :]:
-                self._launch(bucket)
-            for bucket in self.buckets:
-                bucket.pending.wait()  # type: ignore[attr-defined]
-                bucket.pending = None
-                if bucket.wire is not None:
-                    bucket.flat().copy_(bucket.wire)
-                self._unpack(bucket, ready, fresh)
+            with record_function("spread.gradient_exchange"):  # a span in traces
+                for bucket in self.buckets[self._next_launch :]:
+                    self._launch(bucket)
+                for bucket in self.buckets:
+                    bucket.pending.wait()  # type: ignore[attr-defined]
+                    bucket.pending = None
+                    if bucket.wire is not None:
+                        bucket.flat().copy_(bucket.wire)
+                    self._unpack(bucket, ready, fresh)
         finally:
             for bucket in self.buckets:
                 bucket.pending, bucket.ready = None, 0
@@ -233,7 +232,6 @@ class GradientReducer:
             self._local_pending = False
             self.wait_seconds += time.perf_counter() - started
             RECORDER.end()
-            annotation.__exit__(None, None, None)
         self.reductions += 1
 
     def _launch(self, bucket: _Bucket) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from spread.comm.flight import RECORDER, explain_wait
-from spread.comm.peers import gone_ranks
+from spread.comm.peers import describe_gone
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
 # torch 2.13 named the flat collectives ``*_single`` (the old names warn there); torch before 2.13
@@ -53,11 +53,8 @@ def classify_error(rank: int, op: str, seq: int, exc: BaseException) -> Collecti
 
 def _who_went_away() -> str:
     """Names the ranks on this host whose process exited, when the job's processes were recorded."""
-    gone = gone_ranks()
-    if not gone:
-        return "a peer process went away"
-    named = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in gone)
-    return f"a peer process went away: {named} exited"
+    gone = describe_gone()
+    return f"a peer process went away: {gone} exited" if gone else "a peer process went away"
 
 
 def destroy_group(group: dist.ProcessGroup | None) -> None:
@@ -102,14 +99,15 @@ class Collectives:
         if self._closed:
             raise CollectiveError(self.rank, op, seq, "used after close() (the strategy was closed)")
 
-    def _recorded(self) -> bool:
-        """Whether this thread's collectives go in the flight recorder: the training loop's only."""
+    @staticmethod
+    def _on_training_thread() -> bool:
+        """Whether a collective here holds up the training loop (its waits are counted and recorded):
+        an algorithm exchanging on a thread of its own overlaps the loop's computing instead (the
+        gradient reducer counts the loop's wait for it)."""
         return threading.current_thread() is threading.main_thread()
 
     def _count_wait(self, seconds: float) -> None:
-        # Only the training loop's thread: an algorithm exchanging on its own thread overlaps the
-        # loop's computing, it does not hold it up (the gradient reducer counts the loop's wait).
-        if threading.current_thread() is threading.main_thread():
+        if self._on_training_thread():
             self.wait_seconds += seconds
 
     @contextmanager
@@ -117,7 +115,7 @@ class Collectives:
         seq = next(self._seq)
         self._check_open(op, seq)
         started = time.perf_counter()
-        recorded = self._recorded()
+        recorded = self._on_training_thread()
         if recorded:
             RECORDER.begin(op)
         try:
@@ -130,7 +128,7 @@ class Collectives:
         finally:
             if recorded:
                 RECORDER.end()
-            self._count_wait(time.perf_counter() - started)
+                self.wait_seconds += time.perf_counter() - started
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, name: str = "all_reduce") -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks (``op`` in sum, max, min) and return it."""

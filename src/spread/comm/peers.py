@@ -22,13 +22,14 @@ if TYPE_CHECKING:  # pragma: no cover
 _job_processes: dict[int, tuple[int, int]] = {}  # rank -> (host digest, pid): this process's job
 
 
-def _host_digest() -> int:
+def host_digest() -> int:
+    """This machine's name as a number ranks can compare in a collective."""
     return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "big")
 
 
 def record_job_processes(collectives: Collectives) -> None:
     """Learn every rank's host and process id (collective over the job's default group)."""
-    mine = torch.tensor([_host_digest(), os.getpid()], dtype=torch.int64, device=collectives.device)
+    mine = torch.tensor([host_digest(), os.getpid()], dtype=torch.int64, device=collectives.device)
     everyone = collectives.all_gather(mine, name="job_processes")
     _job_processes.clear()
     _job_processes.update({rank: (int(t[0]), int(t[1])) for rank, t in enumerate(everyone)})
@@ -50,10 +51,15 @@ def _exited(pid: int) -> bool:
         return False
 
 
+def describe_gone() -> str:
+    """``"rank 1 (pid 4242), ..."`` for the ranks on this host that exited; "" when none did."""
+    return ", ".join(f"rank {rank} (pid {pid})" for rank, pid in gone_ranks())
+
+
 def gone_ranks(wait: float = 0.5) -> list[tuple[int, int]]:
     """``(rank, pid)`` of the recorded ranks on this host whose process has exited. A peer's sockets
     close a moment before its process is reaped, so this looks again for up to ``wait`` seconds."""
-    here, me = _host_digest(), os.getpid()
+    here, me = host_digest(), os.getpid()
     local = [(rank, pid) for rank, (host, pid) in sorted(_job_processes.items()) if (host, pid) != (here, me)]
     local = [(rank, pid) for rank, pid in local if _job_processes[rank][0] == here]
     deadline = time.monotonic() + wait

@@ -29,6 +29,7 @@ from spread.errors import WorldSizeError
 from spread.plan._forward import LossFn, samples_in
 from spread.strategies import OneDeviceStrategy
 from spread.train import Trainer
+from spread.train.trainer import resolve_global_batch_size
 
 _CLUSTER_VARIABLES = ("TF_CONFIG", "WORLD_SIZE", "RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")
 
@@ -91,7 +92,7 @@ def capture_script(path: str, args: Sequence[str] = (), *, source: str | None = 
         batch_size: int | None = None,
         **_: Any,
     ) -> Any:
-        global_batch_size = global_batch_size or batch_size or 32  # Keras' batch_size is the global batch
+        global_batch_size = resolve_global_batch_size(global_batch_size, batch_size)
         x, y = _first_batch(train_data, global_batch_size)
         raise _FitReached(
             CapturedWorkload(

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from spread.checkpoint.atomic import atomic_save
+
 MERGED = "timeline.json"
 _RANK_FILE = re.compile(r"rank-(\d+)\.json")
 # spread's span names, by kind, for the picture: (prefix, label, colour)
@@ -67,9 +69,8 @@ def merge_traces(directory: str | os.PathLike[str]) -> Path:
                 continue
             events.append({**event, "pid": rank, "ts": starts[rank] + float(event["ts"]) - origin})
     merged = Path(directory) / MERGED
-    partial = merged.with_name(f".{MERGED}.partial")
-    partial.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    os.replace(partial, merged)
+    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode()
+    atomic_save(text, merged, write=lambda data, file: file.write(data))
     return merged
 
 

@@ -53,7 +53,7 @@ NONFINITE_POLICIES = ("raise", "skip_step")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _global_batch_size(global_batch_size: int | None, batch_size: int | None) -> int:
+def resolve_global_batch_size(global_batch_size: int | None, batch_size: int | None) -> int:
     """``fit``'s global batch: ``global_batch_size``, or Keras' ``batch_size`` (global under
     tf.distribute too), default 32."""
     if global_batch_size is not None and batch_size is not None and global_batch_size != batch_size:
@@ -320,7 +320,7 @@ class Trainer:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if not 0 <= initial_epoch < epochs:
             raise ValueError(f"initial_epoch must be in [0, epochs), got {initial_epoch!r}")
-        global_batch_size = _global_batch_size(global_batch_size, batch_size)
+        global_batch_size = resolve_global_batch_size(global_batch_size, batch_size)
         if sample_weight is not None:
             train_data = with_sample_weight(train_data, sample_weight)
         if validation_split is not None:

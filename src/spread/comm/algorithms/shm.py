@@ -86,7 +86,7 @@ from spread.comm.algorithms.base import (
     segment_bounds,
 )
 from spread.comm.ops import Collectives
-from spread.comm.peers import gone_ranks
+from spread.comm.peers import describe_gone, host_digest
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -113,8 +113,7 @@ def same_host(collectives: Collectives) -> bool:
     """Whether every rank of the group runs on this machine (collective: all ranks must call)."""
     if collectives.world_size == 1:
         return True
-    digest = hashlib.sha256(socket.gethostname().encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=collectives.device)
+    mine = torch.tensor([host_digest()], dtype=torch.int64, device=collectives.device)
     lo, hi = mine.clone(), mine.clone()
     collectives.all_reduce(lo, "min", name="same_host")
     collectives.all_reduce(hi, "max", name="same_host")
@@ -154,8 +153,8 @@ def shm_unlimited(collectives: Collectives) -> bool:
 def _exited_here() -> str:
     """Which ranks of the job on this host have exited: the one that left first may have left because
     another died (a rank stops when it loses a peer), so the message lists them all."""
-    gone = gone_ranks()
-    return "; exited on this host: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in gone) if gone else ""
+    gone = describe_gone()
+    return f"; exited on this host: {gone}" if gone else ""
 
 
 def _round_up(n: int, to: int) -> int:
