@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="jobs per mode, alternating")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"on": [], "off": []}
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         script = Path(folder, "job.py")
         script.write_text(JOB)
