@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from spread.comm.flight import _Entry, _Record, diagnose
+from spread.comm.flight import _Entry, _Record, describe_job, diagnose
 from spread.testing import launch_ranks
 
 
@@ -35,6 +35,32 @@ def test_the_diagnosis_names_ranks_that_never_entered_the_collective_and_where_t
     )
 
 
+def test_the_job_report_says_where_every_rank_is_and_who_the_furthest_wait_for():
+    now = 1000.0
+    waiting = _Entry(7, "all_reduce", 4096, now - 12)
+    records = {
+        0: _Record(
+            0, 10, "backward of step 31", now - 12, waiting, [_Entry(6, "reduce", 8, now - 20, now - 19)], now
+        ),
+        2: _Record(
+            2, 12, "forward of step 31", now - 15, None, [_Entry(6, "reduce", 8, now - 20, now - 15)], now - 9
+        ),
+    }
+    assert describe_job(records, 3, now) == [
+        "rank 0 (pid 10): waiting in all_reduce #7 for 12 s; in backward of step 31 (for 12 s)",
+        "rank 1: no record (not started, not past its strategy's setup, or no watch)",
+        "rank 2 (pid 12): not in a collective; its last, #6 (reduce), ended 15 s ago; in forward of step 31 "
+        "(for 15 s); its last report is 9 s old (stopped or gone?)",
+        "waiting in all_reduce #7: rank 2 never entered all_reduce #7: its last collective, #6 (reduce), "
+        "ended 15 s ago; it is in forward of step 31 (for 15 s); its last report is 9 s old (stopped or "
+        "gone?); rank(s) 1 published no record",
+    ]
+    assert describe_job({}, 2, now) == [
+        "rank 0: no record (not started, not past its strategy's setup, or no watch)",
+        "rank 1: no record (not started, not past its strategy's setup, or no watch)",
+    ]
+
+
 class _StuckOnce(nn.Module):
     def __init__(self, rank: int, stuck_rank: int, seconds: float) -> None:
         super().__init__()
@@ -49,11 +75,11 @@ class _StuckOnce(nn.Module):
         return self.linear(x)
 
 
-def _fit_with_a_stuck_rank(seconds: float) -> list[str]:
+def _fit_with_a_stuck_rank(seconds: float, communication: str = "native") -> list[str]:
     import spread
     from spread.comm import flight
 
-    strategy = spread.MultiWorkerMirroredStrategy(communication="native")
+    strategy = spread.MultiWorkerMirroredStrategy(communication=communication)
     with strategy.scope():
         model = _StuckOnce(strategy.rank, 1, seconds)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -65,11 +91,12 @@ def _fit_with_a_stuck_rank(seconds: float) -> list[str]:
 
 
 @pytest.mark.processes
-def test_a_rank_stuck_in_its_own_code_is_named_by_the_rank_waiting_for_it():
+@pytest.mark.parametrize("communication", ["native", "ring", "shm", "hierarchical"])
+def test_a_rank_stuck_in_its_own_code_is_named_by_the_rank_waiting_for_it(communication: str):
     results = launch_ranks(
         _fit_with_a_stuck_rank,
         2,
-        args=(12.0,),
+        args=(12.0, communication),
         env={"SPREAD_HANG_REPORT_AFTER": "4"},
         collective_timeout=60,
         timeout=180,
@@ -84,11 +111,12 @@ def test_a_rank_stuck_in_its_own_code_is_named_by_the_rank_waiting_for_it():
 
 
 @pytest.mark.processes
-def test_the_timeout_of_a_collective_names_the_rank_it_waited_for():
+@pytest.mark.parametrize("communication", ["native", "ring", "shm", "hierarchical"])
+def test_the_timeout_of_a_collective_names_the_rank_it_waited_for(communication: str):
     results = launch_ranks(
         _fit_with_a_stuck_rank,
         2,
-        args=(60.0,),
+        args=(60.0, communication),
         env={"SPREAD_HANG_REPORT_AFTER": "3"},
         collective_timeout=8,
         timeout=180,

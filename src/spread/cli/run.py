@@ -264,7 +264,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="SCRIPT is a program to run as it is, not a Python script",
     )
-    add("script", metavar="SCRIPT", help="the Python script to run (or module, with -m)")
+    add(
+        "--dump",
+        metavar="PID",
+        type=_int_at_least(1),
+        default=None,
+        help="do not start a job: ask the running `spread run` PID where each of its ranks is (its "
+        "collective, how long it has waited, its step and phase, who the others wait for) and print it; "
+        "the same report appears in that job's output (sending it SIGUSR1 does the same)",
+    )
+    add("script", metavar="SCRIPT", nargs="?", help="the Python script to run (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to the script")
     parser.set_defaults(handler=lambda args: run_command(args, parser))
     return parser
@@ -334,10 +343,27 @@ def _merge_traces(directory: str) -> None:
         print(f"spread run: --trace {directory}: no rank traced a Trainer.fit", file=sys.stderr)
 
 
+def _dump(pid: int) -> int:
+    """``spread run --dump PID``: print where each rank of that job is."""
+    from spread.cluster.where import ask_launcher
+
+    try:
+        lines = ask_launcher(pid)
+    except (ProcessLookupError, TimeoutError, PermissionError) as exc:
+        print(f"spread run: error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Build the launch configuration from parsed ``args`` and run it; returns the exit status."""
     from spread.cluster.launcher import LaunchConfig, launch
 
+    if args.dump is not None:
+        return _dump(args.dump)
+    if args.script is None:
+        parser.error("the following arguments are required: SCRIPT")
     try:
         if args.standalone and args.nnodes != 1:
             raise ValueError("--standalone is a single-machine job: it cannot be combined with --nnodes > 1")
@@ -360,6 +386,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             run_id=args.run_id,
             no_python=args.no_python,
             role=args.role,
+            where_command=(sys.executable, "-m", "spread.cli._where"),
         )
         if args.nnodes > 1 and args.node_rank is None:
             raise ValueError(

@@ -61,6 +61,7 @@ from spread.cluster._process import (
     process_state,
     signal_group,
 )
+from spread.cluster.where import ReportFile, read_where
 from spread.errors import CollectiveTimeout, PeerFailedError, PeerLostError
 
 TOKEN_ENV = spread_env.JOB_TOKEN
@@ -119,6 +120,9 @@ class LaunchConfig:
         run_id: the job's id (``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``); a fresh UUID if ``None``.
         no_python: run ``entrypoint`` as a program, not as a Python script (torchrun's ``--no-python``).
         role: the workers' role name (``ROLE_NAME``, torchrun's ``--role``).
+        where_command: a command printing where each rank is (``spread run`` gives
+            ``python -m spread.cli._where``), run with the store's host, port, the attempt and the world
+            size as arguments on SIGUSR1 and when a rank stays stopped; empty: no such report.
     """
 
     entrypoint: str
@@ -138,6 +142,7 @@ class LaunchConfig:
     run_id: str | None = None
     no_python: bool = False
     role: str = "default"
+    where_command: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("workers", "ps"):
@@ -269,6 +274,7 @@ class _SignalTrap:
         if threading.current_thread() is threading.main_thread():
             for signum in _STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._ask_where)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -279,6 +285,9 @@ class _SignalTrap:
         if self.signum is None:
             self.signum = signum
         self.events.put(("signal", signum))
+
+    def _ask_where(self, signum: int, frame: object) -> None:
+        self.events.put(("where",))
 
 
 class _StoreHost:
@@ -396,6 +405,7 @@ class _Launch:
     trap: _SignalTrap
     relay: OutputRelay
     errors: _ErrorFiles
+    report: ReportFile
 
 
 class _Attempt:
@@ -409,6 +419,8 @@ class _Attempt:
         self.threads: list[threading.Thread] = []
         self.tf_config: dict[str, list[str]] | None = None
         self.stopped_since: dict[int, float] = {}
+        self.store_address: tuple[str, int] | None = None  # once the ranks are told where it is
+        self.reporting: threading.Thread | None = None  # a report of where each rank is, under way
 
     def rank(self, local_rank: int) -> int:
         return self.config.node_rank * self.config.nproc + local_rank
@@ -497,6 +509,8 @@ class _Attempt:
             addr, port = store.addr, store.port
         if c.ps:
             self.tf_config = _ps_cluster(c, addr)
+        else:
+            self.store_address = (addr, port)
         try:
             hook = die_with_parent_hook()
             for local_rank in range(c.nproc):
@@ -527,6 +541,8 @@ class _Attempt:
             self.threads.append(self.relay.start(label, proc.stdout, proc.stderr))  # type: ignore[arg-type]
             threading.Thread(target=self._watch, args=(local_rank, proc), daemon=True).start()
         failure = self._wait()
+        if failure is not None and failure.stopped_for is not None:  # the others wait for it: where?
+            self._report_where(f"{failure.describe()}")
         running = len(self.procs) - len(self.returncodes)
         finished = failure is None and self.trap.signum is None
         if finished and running:  # a parameter-server job whose training tasks are all done
@@ -535,6 +551,8 @@ class _Attempt:
             self._stop(self.trap.signum or signal.SIGTERM)
         for thread in self.threads:
             thread.join(timeout=_RELAY_JOIN_TIMEOUT)
+        if self.reporting is not None:  # bounded by the reader's timeout
+            self.reporting.join()
         if failure is not None and failure.stopped_for is None:
             failure = self._root_cause(failure)
         if failure is not None:
@@ -571,10 +589,39 @@ class _Attempt:
             return False
         if event[0] == "signal":
             return True
+        if event[0] == "where":
+            self._start_report()
+            return False
         _, number, local_rank, returncode = event
         if number == self.number:
             self.returncodes[local_rank] = returncode
         return False
+
+    def _start_report(self) -> None:
+        """Report where each rank is, in the background (the ranks keep running and being watched)."""
+        if self.reporting is not None and self.reporting.is_alive():
+            return  # one report at a time: a second SIGUSR1 during one is answered by it
+        self.reporting = threading.Thread(target=self._report_where, args=("asked by SIGUSR1",), daemon=True)
+        self.reporting.start()
+
+    def _report_where(self, reason: str) -> None:
+        """Print where each rank is (read from the store, never through a collective) and keep it in
+        the launcher's report file for ``spread run --dump``."""
+        if not self.config.where_command:
+            return
+        if self.store_address is None:
+            lines = ["no report: a parameter-server job keeps no flight records"]
+        else:
+            address, number, world = self.store_address, self.number, self.config.world_size
+            lines = read_where(self.config.where_command, address, number, world, self.launch.token)
+        stamp = time.strftime("%H:%M:%S")
+        self.relay.note(f"where each rank is at {stamp} ({reason}):")
+        for line in lines:
+            self.relay.note(f"  {line}")
+        try:
+            self.launch.report.write([f"where each rank is at {stamp} ({reason}):", *lines])
+        except OSError as exc:
+            self.relay.note(f"cannot write the report for spread run --dump: {exc}")
 
     def _stopped_rank(self) -> _Failure | None:
         """A rank that has been stopped (SIGSTOP, state ``T``) for ``_STOPPED_LIMIT`` seconds. Its peers
@@ -715,7 +762,8 @@ def launch(config: LaunchConfig) -> int:
     attempts = config.max_restarts + 1
     failure: _Failure | None = None
     with _SignalTrap(queue.SimpleQueue()) as trap:
-        job = _Launch(config, token, config.run_id or str(uuid.uuid4()), trap, relay, _ErrorFiles())
+        run_id = config.run_id or str(uuid.uuid4())
+        job = _Launch(config, token, run_id, trap, relay, _ErrorFiles(), ReportFile())
         try:
             for number in range(attempts):
                 if trap.signum is not None:
@@ -731,6 +779,7 @@ def launch(config: LaunchConfig) -> int:
                     relay.note(f"gave up after {attempts} attempts; the last failure: {failure.describe()}")
         finally:
             job.errors.close()
+            job.report.remove()
         if trap.signum is not None:
             return 128 + trap.signum
         return failure.code if failure is not None else 0

@@ -163,6 +163,17 @@ class Rendezvous:
         self._owns_group = False
 
 
+def _attempt_scope(restart_count: int) -> str:
+    return f"spread/{restart_count}"
+
+
+def open_job_store(host: str, port: int, token: str, restart_count: int, timeout: float) -> dist.Store:
+    """A client of a running job's store, seeing the keys its ranks see (for a reader outside the job,
+    such as ``spread run``'s report of where each rank is). Raises ``RuntimeError`` when unreachable."""
+    tcp = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+    return dist.PrefixStore(_job_prefix(token), dist.PrefixStore(_attempt_scope(restart_count), tcp))
+
+
 def _host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     """Rank 0 without a launcher's store: bind ``host:port`` ourselves (TCPStore alone would listen on
     every interface) and serve the store on that socket, which the store then owns and closes."""
@@ -346,7 +357,7 @@ def rendezvous(
     if _is_loopback(spec.master_addr):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     tcp = _open_store(spec, init_timeout)
-    scope = f"spread/{spec.restart_count}"
+    scope = _attempt_scope(spec.restart_count)
     attempt_store = dist.PrefixStore(scope, tcp)
     job_store = dist.PrefixStore(_job_prefix(token), attempt_store)
     keys = _SealedKeys(job_store, token, scope)

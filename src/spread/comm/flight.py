@@ -127,6 +127,57 @@ def diagnose(waiting: _Entry, records: dict[int, _Record], now: float | None = N
     return "; ".join(lines)
 
 
+def read_records(store: dist.Store, world_size: int) -> dict[int, _Record]:
+    """Every rank's last published record (ranks that published none, or a malformed one, are left out)."""
+    found = {}
+    for rank in range(world_size):
+        key = _KEY.format(rank=rank)
+        try:
+            if store.check([key]):
+                found[rank] = _load(store.get(key))
+        except (RuntimeError, ValueError, KeyError, TypeError):  # the store is gone, or a malformed record
+            continue
+    return found
+
+
+def describe_job(records: dict[int, _Record], world_size: int, now: float | None = None) -> list[str]:
+    """Where each rank is, one line a rank, then who the ranks furthest along wait for: what ``spread
+    run`` prints on SIGUSR1 (``spread run --dump``) and when it finds a rank stopped."""
+    now = time.time() if now is None else now
+    lines = []
+    for rank in range(world_size):
+        record = records.get(rank)
+        if record is None:
+            lines.append(f"rank {rank}: no record (not started, not past its strategy's setup, or no watch)")
+            continue
+        if record.current is not None:
+            entry = record.current
+            where = f"waiting in {entry.op} #{entry.number} for {now - entry.started:.0f} s"
+        elif record.recent:
+            entry = record.recent[-1]
+            where = f"not in a collective; its last, #{entry.number} ({entry.op}), ended "
+            where += f"{now - (entry.ended or now):.0f} s ago"
+        else:
+            where = "no collective yet"
+        stale = now - record.published
+        silent = (
+            f"; its last report is {stale:.0f} s old (stopped or gone?)" if stale > 3 * _PUBLISH_EVERY else ""
+        )
+        phase = f"in {record.phase} (for {now - record.phase_since:.0f} s)"
+        lines.append(f"rank {rank} (pid {record.pid}): {where}; {phase}{silent}")
+    waiting = [r.current for r in records.values() if r.current is not None]
+    if waiting:
+        furthest = max(waiting, key=lambda e: e.number)
+        culprits = diagnose(furthest, records, now)
+        missing = [r for r in range(world_size) if r not in records]
+        if missing:
+            names = ", ".join(map(str, missing))
+            culprits = "; ".join(filter(None, [culprits, f"rank(s) {names} published no record"]))
+        if culprits:
+            lines.append(f"waiting in {furthest.op} #{furthest.number}: {culprits}")
+    return lines
+
+
 class FlightWatch:
     """Publishes this rank's record to the store and reports a long wait (a daemon thread)."""
 
@@ -149,15 +200,7 @@ class FlightWatch:
 
     def records(self) -> dict[int, _Record]:
         """Every rank's last published record (ranks that published none are left out)."""
-        found = {}
-        for rank in range(self.world_size):
-            key = _KEY.format(rank=rank)
-            try:
-                if self.store.check([key]):
-                    found[rank] = _load(self.store.get(key))
-            except (RuntimeError, ValueError, KeyError):  # the store is gone, or a malformed record
-                continue
-        return found
+        return read_records(self.store, self.world_size)
 
     def explain(self) -> str:
         """Who this rank waits for in its current collective ("" when it is not waiting)."""

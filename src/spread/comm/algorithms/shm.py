@@ -85,6 +85,7 @@ from spread.comm.algorithms.base import (
     PendingAllReduce,
     segment_bounds,
 )
+from spread.comm.flight import explain_wait
 from spread.comm.ops import Collectives
 from spread.comm.peers import describe_gone, host_digest
 from spread.errors import CollectiveError, CollectiveTimeout, PeerLostError
@@ -148,6 +149,12 @@ def shm_unlimited(collectives: Collectives) -> bool:
     free = torch.tensor([1 if soft == resource.RLIM_INFINITY else 0], device=collectives.device)
     collectives.all_reduce(free, "min", name="shm_unlimited")
     return bool(free.item())
+
+
+def _where_they_are() -> str:
+    """Where the ranks this one waits for are, from the flight records (when this process keeps them)."""
+    culprits = explain_wait()
+    return f"; {culprits}" if culprits else ""
 
 
 def _exited_here() -> str:
@@ -515,7 +522,8 @@ class ShmAllReduce(AllReduceAlgorithm):
                     op,
                     generation,
                     f"ranks {[link.peer for link in behind]} did not reach the shared-memory barrier"
-                    + self._drop_note(),
+                    + self._drop_note()
+                    + _where_they_are(),
                 )
             if self._take_queued(1000 * min(_PROBE_EVERY, remaining)):
                 continue
