@@ -56,21 +56,25 @@ class FlightRecorder:
     def __init__(self, keep: int = 16) -> None:
         self._lock = threading.Lock()
         self._count = 0
-        self._current: _Entry | None = None
+        self._open: list[_Entry] = []  # nested: an exchange that waits for its asynchronous collectives
         self._recent: deque[_Entry] = deque(maxlen=keep)
         self.phase, self.phase_since = "starting", time.time()
+
+    @property
+    def _current(self) -> _Entry | None:
+        return self._open[-1] if self._open else None
 
     def begin(self, op: str, nbytes: int = 0) -> None:
         with self._lock:
             self._count += 1
-            self._current = _Entry(self._count, op, nbytes, time.time())
+            self._open.append(_Entry(self._count, op, nbytes, time.time()))
 
     def end(self) -> None:
         with self._lock:
-            if self._current is not None:
-                self._current.ended = time.time()
-                self._recent.append(self._current)
-                self._current = None
+            if self._open:
+                entry = self._open.pop()
+                entry.ended = time.time()
+                self._recent.append(entry)
 
     def set_phase(self, phase: str) -> None:
         if phase != self.phase:

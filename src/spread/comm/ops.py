@@ -292,11 +292,17 @@ class PendingCollective:
         if self._work is None:
             return
         started = time.perf_counter()
+        # Recorded where it is waited for: every rank waits for its collectives in the same order.
+        recorded = threading.current_thread() is threading.main_thread()
+        if recorded:
+            RECORDER.begin(self._name)
         try:
             self._work.wait()
         except (RuntimeError, dist.DistError) as exc:
             raise classify_error(self._rank, self._name, self._seq, exc) from exc
         finally:
+            if recorded:
+                RECORDER.end()
             self._work = None
             if self._on_wait is not None:
                 self._on_wait(time.perf_counter() - started)
