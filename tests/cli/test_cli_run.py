@@ -169,9 +169,12 @@ def test_torchrun_spellings_are_accepted(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--nnodes", "1:4", "t.py"], "elastic range of nodes (1:4) is not supported"),
+        (["--nnodes", "4:1", "t.py"], "the range 4:1 is empty: MIN must be <= MAX"),
+        (["--nnodes", "1:4", "t.py"], "needs --rdzv-endpoint HOST[:PORT], the same on every machine"),
         (["--standalone", "--nnodes", "2", "t.py"], "--standalone is a single-machine job"),
-        (["--nnodes", "2", "--master-addr", "h", "--master-port", "1", "t.py"], "needs --node-rank"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-endpoint", "h", "t.py"], "needs --node-rank"),
+        (["--rdzv-backend", "static", "--nnodes", "1:2", "t.py"], "needs --rdzv-backend c10d"),
+        (["--rdzv-conf", "join_timeout", "t.py"], "expected key=value pairs"),
         (["--rdzv-endpoint", "h:1", "--master-port", "2", "t.py"], "either --rdzv-endpoint or --master-addr"),
         (["--rdzv-backend", "etcd", "t.py"], "invalid choice: 'etcd'"),
     ],
@@ -189,29 +192,24 @@ def test_missing_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.processes
-def test_multi_node_without_token_exits_2(tmp_path: Path) -> None:
+def test_a_job_secret_others_can_read_is_refused(tmp_path: Path) -> None:
+    """Without SPREAD_JOB_TOKEN a job on several machines derives its token from the user's secret
+    file: one that other users can read would let them join, so it is refused before anything starts."""
     script = tmp_path / "ok.py"
     script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 64)
+    secret.chmod(0o644)
     env = {k: v for k, v in os.environ.items() if k != "SPREAD_JOB_TOKEN"}
-    result = _spread(
-        [
-            "run",
-            "-n",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            "29500",
-            str(script),
-        ],
-        env=env,
-    )
+    env["SPREAD_SECRET_FILE"] = str(secret)
+    node = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "29500"]
+    result = _spread(["run", "-n", "1", *node, str(script)], env=env)
     assert result.returncode == 2
-    assert "SPREAD_JOB_TOKEN" in result.stderr and "same value on every node" in result.stderr
+    assert (
+        f"the job secret {secret} must be a regular file of this user readable by nobody else"
+        in result.stderr
+    )
+    assert "chmod 600" in result.stderr
 
 
 @pytest.mark.processes

@@ -440,10 +440,11 @@ def test_the_rendezvous_port_is_released(tmp_path: Path, capfd: pytest.CaptureFi
 def test_multi_node_needs_a_shared_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = _script(tmp_path, "pass\n")
     monkeypatch.delenv("SPREAD_JOB_TOKEN", raising=False)
+    monkeypatch.setenv("SPREAD_SECRET_FILE", "/proc/self/no-such-dir/secret")  # cannot be made
     config = LaunchConfig(
         entrypoint=str(script), nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=29500
     )
-    with pytest.raises(ValueError, match="SPREAD_JOB_TOKEN"):
+    with pytest.raises(ValueError, match=r"set SPREAD_JOB_TOKEN where the job is submitted"):
         launch(config)
 
 

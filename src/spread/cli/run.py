@@ -92,15 +92,31 @@ def _nproc(text: str) -> int | str:
     return _int_at_least(1)(text)
 
 
-def _nnodes(text: str) -> int:
-    """``K``, or torchrun's ``MIN:MAX`` range when both ends are equal."""
+def _nnodes(text: str) -> tuple[int, int]:
+    """``K``, or torchrun's elastic range ``MIN:MAX`` of machines."""
     low, sep, high = text.partition(":")
-    if sep and low != high:
-        raise argparse.ArgumentTypeError(
-            f"an elastic range of nodes ({text}) is not supported: give one number of nodes, and restart "
-            f"the job at another size if machines come and go (a backup resumes at any world size)"
-        )
-    return _int_at_least(1)(low)
+    low_count = _int_at_least(1)(low)
+    high_count = _int_at_least(1)(high) if sep else low_count
+    if high_count < low_count:
+        raise argparse.ArgumentTypeError(f"the range {text} is empty: MIN must be <= MAX")
+    return low_count, high_count
+
+
+def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
+    """torchrun's ``--rdzv-conf key=value,key=value``."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value pairs separated by commas, got {item!r}")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
+
+
+def _torchrun_env(name: str, default: str | None) -> str | None:
+    """torchrun's default for an option: ``PET_<NAME>`` (Kubeflow's training operators set these in
+    place of flags), else ``default``. argparse converts a string default with the option's type."""
+    return os.environ.get(f"PET_{name}", default)
 
 
 # Other launchers' spellings of spread run's options (torchrun's own are accepted as they are): a
@@ -144,7 +160,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--nproc_per_node",
         dest="nproc",
         type=_nproc,
-        default=1,
+        default=_torchrun_env("NPROC_PER_NODE", "1"),
         metavar="N",
         help="processes to start on this machine, or cpu (one per core), gpu (one per GPU), auto "
         "(gpu if there is one, else cpu) (default: 1)",
@@ -152,24 +168,27 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add(
         "--nnodes",
         type=_nnodes,
-        default=1,
-        metavar="K",
-        help="machines in the job (default: 1); WORLD_SIZE = N * K (torchrun's K:K is accepted)",
+        default=_torchrun_env("NNODES", "1"),
+        metavar="K|MIN:MAX",
+        help="machines in the job (default: 1), or an elastic range: the job runs on any number of "
+        "machines from MIN to MAX, numbered by torch's rendezvous at --rdzv-endpoint, and a machine "
+        "that joins later starts a new round (as torchrun)",
     )
     add(
         "--node-rank",
         "--node_rank",
         dest="node_rank",
         type=_int_at_least(0),
-        default=None,
+        default=_torchrun_env("NODE_RANK", None),
         metavar="I",
-        help="this machine's index in [0, K) (default: 0); RANK = I * N + LOCAL_RANK",
+        help="this machine's index in [0, K), with a fixed K (default: 0; without it, a job on several "
+        "machines is numbered by the rendezvous)",
     )
     add(
         "--master-addr",
         "--master_addr",
         dest="master_addr",
-        default=None,
+        default=_torchrun_env("MASTER_ADDR", None),
         metavar="ADDR",
         help="address of node 0's rendezvous store (default: 127.0.0.1; needed if --nnodes > 1)",
     )
@@ -178,7 +197,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--master_port",
         dest="master_port",
         type=_port,
-        default=None,
+        default=_torchrun_env("MASTER_PORT", None),
         metavar="PORT",
         help="port of the rendezvous store (default: a free port; required with --nnodes > 1)",
     )
@@ -191,18 +210,37 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         dest="rdzv_endpoint",
-        default=None,
+        default=_torchrun_env("RDZV_ENDPOINT", None),
         metavar="HOST[:PORT]",
-        help="torchrun's spelling of --master-addr HOST --master-port PORT (PORT defaults to 29400)",
+        help="the rendezvous of a job on several machines: torch's c10d store at HOST:PORT (PORT defaults "
+        "to 29400), hosted by the machine at HOST; the same on every machine",
+    )
+    add(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        type=_rdzv_conf,
+        default=_torchrun_env("RDZV_CONF", ""),
+        metavar="K=V,...",
+        help="torch's rendezvous settings, as torchrun's (join_timeout=600, last_call_timeout=30, ...)",
+    )
+    add(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=_torchrun_env("LOCAL_ADDR", None),
+        metavar="ADDR",
+        help="the address other machines reach this one at (default: its address on the route to the "
+        "rendezvous)",
     )
     add(
         "--rdzv-backend",
         "--rdzv_backend",
         dest="rdzv_backend",
         choices=("static", "c10d"),
-        default=None,
-        help="accepted for torchrun compatibility: the store is always a torch.distributed TCPStore "
-        "hosted by node 0's spread run; with --nnodes > 1 give --node-rank",
+        default=_torchrun_env("RDZV_BACKEND", None),
+        help="c10d: machines numbered by torch's elastic rendezvous (the default for a job on several "
+        "machines without --node-rank); static: by --node-rank, node 0 hosting the store",
     )
     add(
         "--rdzv-id",
@@ -210,7 +248,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--run-id",
         "--run_id",
         dest="run_id",
-        default=None,
+        default=_torchrun_env("RDZV_ID", None),
         metavar="ID",
         help="the job's id, given to the ranks as TORCHELASTIC_RUN_ID (default: a fresh UUID)",
     )
@@ -219,7 +257,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--max_restarts",
         dest="max_restarts",
         type=_int_at_least(0),
-        default=0,
+        default=_torchrun_env("MAX_RESTARTS", "0"),
         metavar="R",
         help="relaunch all ranks up to R times after a failure (default: 0)",
     )
@@ -247,7 +285,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "TF_CONFIG set (use with ParameterServerStrategy; -n is then ignored)",
     )
     add("--evaluator", action="store_true", help="with --ps: also start an evaluator task")
-    add("--role", default="default", help="the ranks' role name (ROLE_NAME; default: default)")
+    add(
+        "--role",
+        default=_torchrun_env("ROLE", "default"),
+        help="the ranks' role name (ROLE_NAME; default: default)",
+    )
     add("--no-prefix", action="store_true", help='do not prefix output lines with "[rank R] "')
     add(
         "--trace",
@@ -324,12 +366,31 @@ def _rendezvous_address(args: argparse.Namespace) -> tuple[str | None, int | Non
     """--master-addr/--master-port, or torchrun's --rdzv-endpoint HOST[:PORT] (one of the two)."""
     if args.rdzv_endpoint is None:
         return args.master_addr, args.master_port
-    if args.master_addr is not None or args.master_port is not None:
-        raise ValueError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
     host, sep, port = args.rdzv_endpoint.rpartition(":")
     if not sep or "]" in port:  # no port given (an IPv6 literal's colons are inside brackets)
         host, port = args.rdzv_endpoint, "29400"
-    return host.strip("[]") or None, _port(port)
+    endpoint = host.strip("[]") or None, _port(port)
+    given = args.master_addr, args.master_port
+    if given != (None, None) and given != endpoint:  # Kubeflow may set both, alike
+        raise ValueError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
+    return endpoint
+
+
+def _rendezvous_backend(args: argparse.Namespace) -> str:
+    """c10d (torch's elastic rendezvous numbers the machines) for an elastic range, or for several
+    machines without --node-rank; static (--node-rank numbers them) otherwise, or when asked."""
+    low, high = args.nnodes
+    if high == 1:
+        return "static"  # one machine: nothing to number
+    if args.rdzv_backend == "static":
+        if low != high:
+            raise ValueError(f"--nnodes {low}:{high} (an elastic range) needs --rdzv-backend c10d")
+        if args.node_rank is None:
+            raise ValueError("--rdzv-backend static with --nnodes > 1 needs --node-rank on every machine")
+        return "static"
+    if args.rdzv_backend == "c10d" or low != high or args.node_rank is None:
+        return "c10d"
+    return "static"
 
 
 def _merge_traces(directory: str) -> None:
@@ -365,15 +426,29 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.script is None:
         parser.error("the following arguments are required: SCRIPT")
     try:
-        if args.standalone and args.nnodes != 1:
+        if args.standalone and args.nnodes[1] != 1:
             raise ValueError("--standalone is a single-machine job: it cannot be combined with --nnodes > 1")
         master_addr, master_port = _rendezvous_address(args)
+        backend = _rendezvous_backend(args)
+        if backend == "c10d" and master_addr is None:
+            raise ValueError(
+                "a job on several machines numbered by the rendezvous needs --rdzv-endpoint HOST[:PORT], the "
+                "same on every machine (the machine at HOST hosts it)"
+            )
+        min_nodes, nnodes = args.nnodes
+        run_id = args.run_id
+        if run_id is None and nnodes > 1:  # every machine must name the job alike (and derive its token)
+            run_id = os.environ.get("SLURM_JOB_ID", "none")
         config = LaunchConfig(
             entrypoint=args.script,
             args=tuple(args.script_args),
             nproc=_resolve_nproc(args.nproc),
-            nnodes=args.nnodes,
-            node_rank=args.node_rank or 0,
+            nnodes=nnodes,
+            min_nodes=min_nodes if backend == "c10d" else None,
+            rdzv_backend=backend,
+            rdzv_conf=args.rdzv_conf,
+            local_addr=args.local_addr,
+            node_rank=(args.node_rank or 0) if backend == "static" else 0,
             master_addr=master_addr,
             master_port=master_port,
             module=args.module,
@@ -383,16 +458,11 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             workers=args.workers,
             ps=args.ps,
             evaluator=args.evaluator,
-            run_id=args.run_id,
+            run_id=run_id,
             no_python=args.no_python,
             role=args.role,
             where_command=(sys.executable, "-m", "spread.cli._where"),
         )
-        if args.nnodes > 1 and args.node_rank is None:
-            raise ValueError(
-                "--nnodes > 1 needs --node-rank on every machine (0 on the machine at --master-addr); "
-                "spread run does not number the machines itself as torchrun's c10d rendezvous does"
-            )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(_as_flags(str(exc)))
     if args.trace is not None:  # the ranks inherit it; Trainer.fit traces into it

@@ -61,6 +61,8 @@ from spread.cluster._process import (
     process_state,
     signal_group,
 )
+from spread.cluster.elastic import ElasticRendezvous, RendezvousFailed, Round, facing_address
+from spread.cluster.job_secret import shared_job_token
 from spread.cluster.where import ReportFile, read_where
 from spread.errors import CollectiveTimeout, PeerFailedError, PeerLostError
 
@@ -71,6 +73,7 @@ _REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped (only t
 _RELAY_JOIN_TIMEOUT = 2.0  # a setsid'd grandchild may keep a pipe open forever; do not wait on it
 _TICK = 0.1  # seconds between checks for a stop signal or a stopped rank while waiting on the ranks
 _STOPPED_LIMIT = 3.0  # seconds a rank may stay stopped (SIGSTOP, state T) before it counts as failed
+_WAITING_EVERY = 5.0  # seconds between asking the rendezvous whether machines wait to join (torchrun's)
 # The failure note names the exception in at most this many characters: the rank's traceback, just
 # above it, has the whole message (a CheckpointMismatchError listing every key ran to 900 characters,
 # and the note said it all a second time).
@@ -120,6 +123,14 @@ class LaunchConfig:
         run_id: the job's id (``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``); a fresh UUID if ``None``.
         no_python: run ``entrypoint`` as a program, not as a Python script (torchrun's ``--no-python``).
         role: the workers' role name (``ROLE_NAME``, torchrun's ``--role``).
+        rdzv_backend: ``"static"``: ``node_rank`` numbers the machines, node 0 hosts the store;
+            ``"c10d"``: torch's elastic rendezvous at ``master_addr:master_port`` numbers them, each
+            round (``node_rank`` is ignored), with ``min_nodes`` to ``nnodes`` machines.
+        min_nodes: with ``"c10d"``: the fewest machines a round starts with (``None``: ``nnodes``).
+        rdzv_conf: with ``"c10d"``: torch's rendezvous settings (``join_timeout``,
+            ``last_call_timeout``, ``close_timeout``, ``read_timeout``, ...), as torchrun's ``--rdzv-conf``.
+        local_addr: with ``"c10d"``: the address other machines reach this one at (default: this
+            machine's address on the route to ``master_addr``).
         where_command: a command printing where each rank is (``spread run`` gives
             ``python -m spread.cli._where``), run with the store's host, port, the attempt and the world
             size as arguments on SIGUSR1 and when a rank stays stopped; empty: no such report.
@@ -143,6 +154,10 @@ class LaunchConfig:
     no_python: bool = False
     role: str = "default"
     where_command: tuple[str, ...] = ()
+    rdzv_backend: str = "static"
+    min_nodes: int | None = None
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    local_addr: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("workers", "ps"):
@@ -181,14 +196,37 @@ class LaunchConfig:
             raise _invalid(
                 "master_port", "must be an integer in [0, 65535] (0: any free port)", self.master_port
             )
-        if self.nnodes > 1 and self.master_addr is None:
+        if (self.nnodes > 1 or self.rdzv_backend == "c10d") and self.master_addr is None:
             raise _invalid(
-                "master_addr", "is required when nnodes > 1 (the address node 0 is reached at)", None
+                "master_addr",
+                "is required when nnodes > 1 or rdzv_backend='c10d' (the address of node 0 or of the "
+                "rendezvous, --rdzv-endpoint)",
+                None,
             )
-        if self.nnodes > 1 and not self.master_port:
+        if (self.nnodes > 1 or self.rdzv_backend == "c10d") and not self.master_port:
             raise _invalid(
                 "master_port", "must be a fixed port in [1, 65535] when nnodes > 1", self.master_port
             )
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise _invalid("rdzv_backend", "must be 'static' or 'c10d'", self.rdzv_backend)
+        if self.rdzv_backend == "c10d":
+            if self.ps:
+                raise _invalid(
+                    "rdzv_backend", "must be 'static' for a parameter-server job", self.rdzv_backend
+                )
+            low = self.nnodes if self.min_nodes is None else self.min_nodes
+            if not _is_int(low) or not 1 <= low <= self.nnodes:
+                raise _invalid(
+                    "min_nodes", f"must be an integer in [1, nnodes={self.nnodes}]", self.min_nodes
+                )
+            object.__setattr__(self, "min_nodes", low)
+        elif self.min_nodes not in (None, self.nnodes):
+            raise _invalid(
+                "min_nodes", "needs rdzv_backend='c10d' (an elastic range of machines)", self.min_nodes
+            )
+        object.__setattr__(
+            self, "rdzv_conf", tuple((str(k), str(v)) for k, v in dict(self.rdzv_conf).items())
+        )
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise _invalid("max_restarts", "must be an integer >= 0", self.max_restarts)
         grace = self.kill_grace
@@ -242,19 +280,12 @@ def _shortened(summary: str, rank: int) -> str:
     return f"{summary[:_SUMMARY_CHARACTERS].rsplit(' ', 1)[0]} ... (in full in rank {rank}'s traceback above)"
 
 
-def _job_token(config: LaunchConfig) -> str:
-    """A fresh token per single-node launch; across nodes it must be shared, so it comes from the env."""
-    if config.nnodes == 1:
+def _job_token(config: LaunchConfig, run_id: str) -> str:
+    """A fresh token per single-machine launch; across machines every node computes the same one
+    (:mod:`spread.cluster.job_secret`), never sent over the network."""
+    if config.nnodes == 1 and config.rdzv_backend == "static":
         return secrets.token_hex(16)
-    token = os.environ.get(TOKEN_ENV, "")
-    if not token:
-        raise ValueError(
-            f"a job on {config.nnodes} nodes needs {TOKEN_ENV} set in the environment, with the same value "
-            f"on every node, so that processes of different jobs can never join each other. For example: "
-            f"export {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))') and copy it "
-            f"to every node's environment (never onto a command line)."
-        )
-    return token
+    return shared_job_token(run_id)
 
 
 class _SignalTrap:
@@ -384,12 +415,15 @@ class _Failure:
     rank: int
     returncode: int  # Popen's: -S when killed by signal S
     stopped_for: float | None = None  # seconds it stayed stopped, when that is why it failed
+    regroup: bool = False  # no failure: machines wait to join (c10d), the ranks stop for a new round
 
     @property
     def code(self) -> int:
         return 128 + signal.SIGSTOP if self.stopped_for is not None else exit_code(self.returncode)
 
     def describe(self) -> str:
+        if self.regroup:
+            return "machines wait to join the job"
         if self.stopped_for is not None:
             return f"rank {self.rank} stayed stopped (SIGSTOP) for {self.stopped_for:.1f}s"
         return _describe(self.rank, self.returncode)
@@ -406,13 +440,22 @@ class _Launch:
     relay: OutputRelay
     errors: _ErrorFiles
     report: ReportFile
+    elastic: ElasticRendezvous | None
 
 
 class _Attempt:
     """One launch of all local ranks: spawn, watch, stop. Never reused."""
 
-    def __init__(self, launch: _Launch, number: int):
+    def __init__(self, launch: _Launch, number: int, round: Round | None = None):
         self.launch, self.config, self.number = launch, launch.config, number
+        c = self.config
+        self.round = round  # this node's place when the rendezvous numbers the nodes (c10d)
+        self.node_rank = round.group_rank if round else c.node_rank
+        self.nnodes = round.nnodes if round else c.nnodes
+        self.world_size = round.world_size if round else c.world_size
+        self.rank_offset = round.rank_offset if round else c.node_rank * c.nproc
+        self.restart_count = round.attempt if round else number  # alike on every node of the job
+        self.next_waiting_check = time.monotonic() + _WAITING_EVERY
         self.trap, self.relay, self.events = launch.trap, launch.relay, launch.trap.events
         self.procs: list[subprocess.Popen] = []
         self.returncodes: dict[int, int] = {}
@@ -423,7 +466,7 @@ class _Attempt:
         self.reporting: threading.Thread | None = None  # a report of where each rank is, under way
 
     def rank(self, local_rank: int) -> int:
-        return self.config.node_rank * self.config.nproc + local_rank
+        return self.rank_offset + local_rank
 
     def _is_service(self, local_rank: int) -> bool:
         return bool(self.config.ps) and self.config.ps_tasks()[local_rank][0] in _SERVICE_ROLES
@@ -436,25 +479,25 @@ class _Attempt:
         rank = self.rank(local_rank)
         env.update(
             RANK=str(rank),
-            WORLD_SIZE=str(c.world_size),
+            WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(c.nproc),
-            GROUP_RANK=str(c.node_rank),
-            GROUP_WORLD_SIZE=str(c.nnodes),
+            GROUP_RANK=str(self.node_rank),
+            GROUP_WORLD_SIZE=str(self.nnodes),
             ROLE_NAME=c.role,
             ROLE_RANK=str(rank),
-            ROLE_WORLD_SIZE=str(c.world_size),
-            NODE_RANK=str(c.node_rank),
-            NNODES=str(c.nnodes),
+            ROLE_WORLD_SIZE=str(self.world_size),
+            NODE_RANK=str(self.node_rank),
+            NNODES=str(self.nnodes),
             MASTER_ADDR=addr,
             MASTER_PORT=str(port),
-            TORCHELASTIC_RESTART_COUNT=str(self.number),
+            TORCHELASTIC_RESTART_COUNT=str(self.restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(c.max_restarts),
             TORCHELASTIC_RUN_ID=self.launch.run_id,
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in _STOP_SIGNALS),
             TORCHELASTIC_ERROR_FILE=str(self.launch.errors.path(self.number, rank)),
-            **{spread_env.RESTART_COUNT: str(self.number), spread_env.LAUNCHER: "1"},
+            **{spread_env.RESTART_COUNT: str(self.restart_count), spread_env.LAUNCHER: "1"},
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -500,11 +543,13 @@ class _Attempt:
                 store.close()
 
     def _hosts_store(self) -> bool:
-        return self.config.node_rank == 0 and not self.config.ps
+        return self.round is None and self.config.node_rank == 0 and not self.config.ps
 
     def _run(self, store: _StoreHost | None) -> _Failure | None:
         c = self.config
         addr, port = c.master_addr or DEFAULT_MASTER_ADDR, c.master_port or 0
+        if self.round is not None:  # the store of the round's node 0 (torch's handler hosts it)
+            addr, port = self.round.master_addr, self.round.master_port
         if store is not None:  # children connect to the numeric address it listens on
             addr, port = store.addr, store.port
         if c.ps:
@@ -553,6 +598,9 @@ class _Attempt:
             thread.join(timeout=_RELAY_JOIN_TIMEOUT)
         if self.reporting is not None:  # bounded by the reader's timeout
             self.reporting.join()
+        if failure is not None and failure.regroup:
+            self.relay.note(f"machines wait to join the job: stopped {running} process(es) for a new round")
+            return failure
         if failure is not None and failure.stopped_for is None:
             failure = self._root_cause(failure)
         if failure is not None:
@@ -612,7 +660,7 @@ class _Attempt:
         if self.store_address is None:
             lines = ["no report: a parameter-server job keeps no flight records"]
         else:
-            address, number, world = self.store_address, self.number, self.config.world_size
+            address, number, world = self.store_address, self.restart_count, self.world_size
             lines = read_where(self.config.where_command, address, number, world, self.launch.token)
         stamp = time.strftime("%H:%M:%S")
         self.relay.note(f"where each rank is at {stamp} ({reason}):")
@@ -622,6 +670,17 @@ class _Attempt:
             self.launch.report.write([f"where each rank is at {stamp} ({reason}):", *lines])
         except OSError as exc:
             self.relay.note(f"cannot write the report for spread run --dump: {exc}")
+
+    def _nodes_waiting(self) -> bool:
+        """Whether machines wait to join (c10d): torchrun's agents then start a new round, and so do we."""
+        elastic = self.launch.elastic
+        if elastic is None or time.monotonic() < self.next_waiting_check:
+            return False
+        self.next_waiting_check = time.monotonic() + _WAITING_EVERY
+        try:
+            return elastic.nodes_waiting() > 0
+        except RendezvousFailed:
+            return False  # the rendezvous' host is gone: the ranks will find out in their collectives
 
     def _stopped_rank(self) -> _Failure | None:
         """A rank that has been stopped (SIGSTOP, state ``T``) for ``_STOPPED_LIMIT`` seconds. Its peers
@@ -653,6 +712,8 @@ class _Attempt:
                     return _Failure(self.rank(local_rank), self.returncodes[local_rank])
             if (stopped := self._stopped_rank()) is not None:
                 return stopped
+            if self._nodes_waiting():
+                return _Failure(-1, 0, regroup=True)
             if self.config.ps and all(self.returncodes.get(r) == 0 for r in training):
                 return None
         return None
@@ -752,34 +813,80 @@ def launch(config: LaunchConfig) -> int:
             started are stopped first).
     """
     _check_entrypoint(config)
-    token = _job_token(config)
+    run_id = config.run_id or str(uuid.uuid4())
+    token = _job_token(config, run_id)
     relay = OutputRelay(prefix=config.prefix_output)
     if os.environ.get("TF_CONFIG", "").strip() and not config.ps:
         relay.note(
             "TF_CONFIG is set in this shell and is not passed to the ranks: spread run gives them their "
             "own cluster (RANK, WORLD_SIZE, MASTER_ADDR, ...); unset it to silence this note"
         )
-    attempts = config.max_restarts + 1
+    elastic = _start_rendezvous(config, run_id) if config.rdzv_backend == "c10d" else None
     failure: _Failure | None = None
-    with _SignalTrap(queue.SimpleQueue()) as trap:
-        run_id = config.run_id or str(uuid.uuid4())
-        job = _Launch(config, token, run_id, trap, relay, _ErrorFiles(), ReportFile())
-        try:
-            for number in range(attempts):
-                if trap.signum is not None:
-                    break
-                failure = _Attempt(job, number).run()
-                if trap.signum is not None:
-                    break
-                if failure is None:
-                    return 0
-                if number + 1 < attempts:
-                    relay.note(f"restarting (attempt {number + 2} of {attempts}) after {failure.describe()}")
-                elif attempts > 1:
-                    relay.note(f"gave up after {attempts} attempts; the last failure: {failure.describe()}")
-        finally:
-            job.errors.close()
-            job.report.remove()
-        if trap.signum is not None:
-            return 128 + trap.signum
-        return failure.code if failure is not None else 0
+    try:
+        with _SignalTrap(queue.SimpleQueue()) as trap:
+            job = _Launch(config, token, run_id, trap, relay, _ErrorFiles(), ReportFile(), elastic)
+            try:
+                failure = _attempts(job)
+            finally:
+                job.errors.close()
+                job.report.remove()
+            if trap.signum is not None:
+                return 128 + trap.signum
+            return failure.code if failure is not None else 0
+    finally:
+        if elastic is not None:
+            elastic.shutdown()  # the job is over here: machines that come later are told so
+            elastic.close()
+
+
+def _start_rendezvous(config: LaunchConfig, run_id: str) -> ElasticRendezvous:
+    assert config.master_addr is not None and config.master_port is not None and config.min_nodes is not None
+    return ElasticRendezvous(
+        endpoint=f"{config.master_addr}:{config.master_port}",
+        run_id=run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.nnodes,
+        nproc=config.nproc,
+        local_addr=config.local_addr or facing_address(config.master_addr),
+        conf=dict(config.rdzv_conf),
+    )
+
+
+def _attempts(job: _Launch) -> _Failure | None:
+    """Run attempts until one succeeds, restarts are spent, or a stop signal: the last failure. A new
+    round because machines wait to join (c10d) spends no restart, as under torchrun."""
+    config, relay, trap = job.config, job.relay, job.trap
+    restarts, number = 0, 0
+    failure: _Failure | None = None
+    while trap.signum is None:
+        round = None
+        if job.elastic is not None:
+            try:
+                round = job.elastic.next_round(lambda: trap.signum is not None)
+            except InterruptedError:
+                break
+            except RendezvousFailed as exc:
+                relay.note(f"the rendezvous at {config.master_addr}:{config.master_port} failed: {exc}")
+                return failure or _Failure(-1, 1)
+            relay.note(
+                f"round {round.attempt}: this machine is node {round.group_rank} of {round.nnodes}, "
+                f"ranks {round.rank_offset}-{round.rank_offset + config.nproc - 1} of {round.world_size}"
+            )
+        failure = _Attempt(job, number, round).run()
+        number += 1
+        if trap.signum is not None or failure is None:
+            break
+        if failure.regroup:
+            continue
+        if restarts < config.max_restarts:
+            restarts += 1
+            attempts = config.max_restarts + 1
+            relay.note(f"restarting (attempt {restarts + 1} of {attempts}) after {failure.describe()}")
+            continue
+        if config.max_restarts:
+            relay.note(
+                f"gave up after {config.max_restarts + 1} attempts; the last failure: {failure.describe()}"
+            )
+        break
+    return failure
