@@ -41,10 +41,13 @@ examples:
       run a module (python -m mypkg.train) instead of a script file
   spread run -n 4 --max-restarts 2 train.py
       relaunch all ranks up to 2 times after a failure (resume from BackupAndRestore checkpoints)
-  export SPREAD_JOB_TOKEN=<same secret on every node>
-  spread run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+  spread run -n 8 --nnodes 2:4 --rdzv-endpoint node0:29400 --rdzv-id job-17 train.py
+      the same command on 2 to 4 machines (numbered by torch's elastic rendezvous at node0, which
+      hosts it); the job token is derived from ~/.config/spread/secret (or SPREAD_JOB_TOKEN)
   spread run -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
-      two machines, 16 ranks; start one command per machine
+      machines numbered by hand instead (node 0 hosts the store)
+  spread run --dump 12345
+      print where each rank of the running job whose spread run has pid 12345 is
   spread run --workers 2 --ps 2 train_ps.py
       a parameter-server job: chief, 2 workers, 2 servers (TF_CONFIG per process, loopback ports)
 
