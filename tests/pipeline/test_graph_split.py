@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from spread.pipeline.graph_split import GraphStage, check_split_points, split_model
+from spread.pipeline.graph_split import GraphStage, check_split_points, flat_input, split_model
+from spread.pipeline.split_backward import SplitBackward
 
 
 class Skip(nn.Module):
@@ -27,7 +28,7 @@ class Skip(nn.Module):
 def run_stages(split, x):
     values: tuple = ()
     for stage in split.stages:
-        values = stage(x, *values)
+        values = stage(flat_input(x), *values)
     return values
 
 
@@ -126,3 +127,98 @@ class Twice(nn.Module):
 def test_a_split_point_called_twice_is_refused():
     with pytest.raises(ValueError, match="exactly once"):
         split_model(Twice(), ["b"], torch.randn(2, 4))
+
+
+def lm_batch(rows: int = 2, seq: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[0, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+
+
+def test_a_dict_batch_goes_to_the_stages_that_use_it_and_the_last_computes_the_models_loss():
+    """Hugging Face style: model(**batch) with labels; the loss is made on the last stage."""
+    model = make_gpt2()
+    batch = lm_batch()
+    split = split_model(model, ["transformer.h.2"], batch)
+    index = {name: i for i, name in enumerate(batch)}
+    uses = [{a for a in stage.args if isinstance(a, int)} for stage in split.stages]
+    assert index["input_ids"] in uses[0] and index["input_ids"] not in uses[1]
+    assert index["labels"] in uses[1] and index["labels"] not in uses[0]
+    expected = model(**batch)
+    expected.loss.backward()
+    want = grads(model)
+    model.zero_grad()
+    got = run_stages(split, batch)
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=0)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
+    got.loss.backward()
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, want[name], rtol=0, atol=0)
+
+
+def test_graph_stage_keys_a_dict_batch_by_its_names_shapes_and_dtypes():
+    model = make_gpt2()
+    stage = GraphStage(model, ["transformer.h.2"], 1)
+    batch = lm_batch()
+    assert stage.prepare(batch) is not None
+    assert stage.prepare(lm_batch()) is None  # same names, shapes and dtypes
+    without_labels = {k: v for k, v in batch.items() if k != "labels"}
+    assert stage.prepare(without_labels) is not None  # other names: its own trace (no loss)
+    assert stage.rebuild(batch).num_tensors == 2 and stage.rebuild(without_labels).num_tensors == 1
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (
+            {"input_ids": torch.zeros(2, 4, dtype=torch.long), "use_cache": False},
+            r"\['use_cache'\] are not tensors",
+        ),
+        ([torch.zeros(2, 4, dtype=torch.long)], "one tensor .* or a dict of keyword tensors"),
+        ({}, "one tensor .* or a dict of keyword tensors"),
+    ],
+)
+def test_a_batch_of_another_kind_is_refused_by_name(batch, match):
+    stage = GraphStage(Skip(), ["b"], 1)
+    with pytest.raises(TypeError, match=match):
+        stage.prepare(batch)
+
+
+def test_a_traced_stage_splits_its_backward_exactly_and_leaves_no_parameter_unsplit():
+    """Zero bubble on a stage cut out of an exported graph: several inputs (hidden states and the
+    attention mask), the model's own loss; the input pass skips every weight product."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_gpt2()
+    batch = lm_batch()
+    split = split_model(model, ["transformer.h.2"], batch)
+    first, last = split.stages
+    sent = first(flat_input(batch))
+    received = [t.detach().requires_grad_(t.is_floating_point()) for t in sent]
+    reference = last(flat_input(batch), *received).loss
+    with FlopCounterMode(display=False) as ordinary:
+        reference.backward()
+    want = {n: p.grad.clone() for n, p in last.named_parameters()}
+    want_inputs = [t.grad.clone() for t in received if t.requires_grad]
+    last.zero_grad(set_to_none=True)
+    for t in received:
+        t.grad = None
+
+    splitter = SplitBackward(last)
+    loss = last(flat_input(batch), *received).loss
+    with FlopCounterMode(display=False) as input_pass:
+        graph = splitter.backward_input(loss, None, received)
+    assert graph.rest == [] and graph.split_params == len(want)
+    assert all(p.grad is None for p in last.parameters())  # the input pass leaves the weights alone
+    with FlopCounterMode(display=False) as weight_pass:
+        splitter.backward_weight(graph)
+    for got, expected in zip([t.grad for t in received if t.requires_grad], want_inputs, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for name, p in last.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-6, atol=1e-7, msg=name)
+    # Nothing computed twice, and the weight products (about half the backward) moved to the later pass.
+    flops = [m.get_total_flops() for m in (ordinary, input_pass, weight_pass)]
+    assert flops[1] + flops[2] == flops[0] and flops[2] >= 0.4 * flops[0]
+    splitter.close()

@@ -166,7 +166,6 @@ def test_a_parameter_two_stages_use_gets_their_summed_gradient():
         ({"stages": 3, "split_points": ["transformer.h.2"]}, "must name stages-1=2 module paths"),
         ({"stages": 2, "split_points": [""]}, "must name stages-1=1 module paths"),
         ({"stages": 3, "split_points": ["a", "a"]}, "distinct module paths"),
-        ({"stages": 2, "split_points": ["a"], "schedule": "zb"}, "does not combine with split_points"),
     ],
 )
 def test_bad_named_split_points_are_refused_by_name(kwargs, match):

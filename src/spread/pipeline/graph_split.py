@@ -17,18 +17,21 @@ What this module adds to torch's splitter:
 * a plan per stage of which values it receives, which it computes and which it passes on (a value
   made on stage 0 and used on stage 2 is relayed through stage 1); the pipeline's input is known to
   every stage (every rank of a pipeline replica reads the same batch), so it is never sent;
+* the pipeline input is one tensor (``model(x)``) or a dict of keyword tensors (``model(**batch)``,
+  Hugging Face style): each tensor is one input of the traced graph and goes to the stages that use
+  it (``input_ids`` to the first, ``labels`` to the one that computes the model's loss);
 * outputs that are not tensors (a Hugging Face ``past_key_values`` cache) are dropped: the last
   stage returns the model's output structure (``ModelOutput`` included) with ``None`` in their place.
 
 An exported graph is specialised to its input's shape and to train/eval mode, so a split is made per
-``(shape, dtype, training)``; every rank traces the same model on the same input, so every rank gets
-the same split without talking to the others.
+``(names, shapes, dtypes, training)``; every rank traces the same model on the same input, so every
+rank gets the same split without talking to the others.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,20 +46,53 @@ _MARK = "pipeline_split_point"
 _PREFIX = "model."
 
 
+PipelineInput = torch.Tensor | Mapping[str, torch.Tensor]  # model(x), or model(**batch)
+
+
+def input_names(x: Any) -> tuple[str, ...] | None:
+    """The keyword names of a dict pipeline input (None for one tensor); refuses anything else."""
+    if isinstance(x, torch.Tensor):
+        return None
+    if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
+        odd = sorted(k for k, v in x.items() if not isinstance(v, torch.Tensor))
+        if odd:
+            raise TypeError(
+                f"a model split at named modules takes a batch dict of tensors; {odd} are not tensors "
+                "(pass non-tensor arguments through the model's config or a wrapper module)"
+            )
+        return tuple(x)
+    raise TypeError(
+        "a model split at named modules takes one tensor (e.g. input_ids) or a dict of keyword tensors "
+        f"(e.g. {{'input_ids': ..., 'labels': ...}}) per batch, got {type(x).__name__}"
+    )
+
+
+def flat_input(x: PipelineInput) -> tuple[torch.Tensor, ...]:
+    """The traced graph's inputs, in order: the tensor, or the dict's values in key order."""
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x.values())
+
+
 class _Tracee(nn.Module):
     """What is traced: the user's model (as ``self.model``, so split points are ``model.<path>``)
-    called through ``call``, its output flattened to tensors (the structure kept for the last stage)."""
+    called through ``call`` with one tensor, or with keyword tensors named ``names``; its output
+    flattened to tensors (the structure kept for the last stage)."""
 
     def __init__(
-        self, model: nn.Module, call: Callable[[torch.Tensor], Any] | None, found: list[OutputStructure]
+        self,
+        model: nn.Module,
+        call: Callable[..., Any] | None,
+        names: tuple[str, ...] | None,
+        found: list[OutputStructure],
     ) -> None:
         super().__init__()
         self.model = model
-        self._call = [call] if call is not None else []  # in a list: never a registered submodule
+        self._call = [call if call is not None else model]  # in a list: never a registered submodule
+        self._names = names
         self._found = (found,)  # the output structure goes here while tracing
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self._call[0](x) if self._call else self.model(x)
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        call = self._call[0]
+        out = call(*inputs) if self._names is None else call(**dict(zip(self._names, inputs, strict=True)))
         leaves, spec = pytree.tree_flatten(out)
         self._found[0].append(OutputStructure(spec, tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)))
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
@@ -79,14 +115,15 @@ class OutputStructure:
 
 
 class StageProgram(nn.Module):
-    """One stage of a traced model: ``forward(x, *received)`` runs the stage's graph on the pipeline
-    input ``x`` and the values received from the previous stage; it returns the values the next stage
-    needs (a tuple, in the order of :attr:`sends`) or, on the last stage, the model's output."""
+    """One stage of a traced model: ``forward(inputs, *received)`` runs the stage's graph on the
+    pipeline's input tensors (:func:`flat_input`) and the values received from the previous stage; it
+    returns the values the next stage needs (a tuple, in the order of :attr:`sends`) or, on the last
+    stage, the model's output."""
 
     def __init__(
         self,
         graph: nn.Module,
-        args: Sequence[str | None],
+        args: Sequence[str | int],
         receives: Sequence[str],
         produces: dict[str, int | None],
         sends: Sequence[str],
@@ -94,18 +131,18 @@ class StageProgram(nn.Module):
     ) -> None:
         super().__init__()
         self.graph = graph
-        self.args = list(args)  # per graph argument: a carried value's name, or None for the input
+        self.args = list(args)  # per graph argument: a carried value's name, or a pipeline input's index
         self.receives = list(receives)
         self.produces = produces  # value name -> index in the graph's output tuple (None: all of it)
         self.sends = list(sends)  # the last stage: the model's flat outputs, in order
         self.rebuild = rebuild
         self.user_tensors: list[torch.Tensor] = []  # the user's parameters and buffers it uses
 
-    def forward(self, x: torch.Tensor, *received: torch.Tensor) -> Any:
+    def forward(self, inputs: Sequence[torch.Tensor], *received: torch.Tensor) -> Any:
         if len(received) != len(self.receives):
             raise ValueError(f"stage expects {len(self.receives)} received values, got {len(received)}")
         env: dict[str, Any] = dict(zip(self.receives, received, strict=True))
-        out = self.graph(*[x if name is None else env[name] for name in self.args])
+        out = self.graph(*[inputs[a] if isinstance(a, int) else env[a] for a in self.args])
         for name, index in self.produces.items():
             env[name] = out if index is None else out[index]
         values = tuple(env[name] for name in self.sends)
@@ -141,11 +178,12 @@ def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
 def split_model(
     model: nn.Module,
     split_points: Sequence[str],
-    example: torch.Tensor,
-    call: Callable[[torch.Tensor], Any] | None = None,
+    example: PipelineInput,
+    call: Callable[..., Any] | None = None,
 ) -> GraphSplit:
-    """Trace ``call(example)`` (default ``model(example)``) with ``torch.export`` and cut it before
-    each module in ``split_points``: ``len(split_points) + 1`` stages, in execution order.
+    """Trace ``call(example)`` (default ``model``; ``call(**example)`` for a dict of keyword tensors)
+    with ``torch.export`` and cut it before each module in ``split_points``: ``len(split_points) + 1``
+    stages, in execution order.
 
     Raises ``ValueError`` for unknown module paths or a split point that is not called exactly once,
     and ``RuntimeError`` (from torch) when the model cannot be exported as one graph.
@@ -162,12 +200,13 @@ def split_model(
         pipe_split()
         return inner(*args, **kwargs)
 
+    names = input_names(example)
     found: list[OutputStructure] = []
-    tracee = _Tracee(model, call, found)
+    tracee = _Tracee(model, call, names, found)
     for name, module in zip(split_points, marked, strict=True):
         wrap_forward(module, _MARK, partial(before, name))
     try:
-        pipe = pipeline(tracee, (example,))
+        pipe = pipeline(tracee, flat_input(example))
     finally:
         for module in marked:
             unwrap_forward(module, _MARK)
@@ -186,8 +225,7 @@ def _programs(root: fx.GraphModule, model: nn.Module, rebuild: OutputStructure) 
     """One :class:`StageProgram` per ``call_module`` node of the split's root graph."""
     calls = [n for n in root.graph.nodes if n.op == "call_module"]
     output = next(n for n in root.graph.nodes if n.op == "output")
-    placeholders = [n for n in root.graph.nodes if n.op == "placeholder"]
-    assert len(placeholders) == 1, "the traced wrapper takes one input"
+    index_of = {n: i for i, n in enumerate(n for n in root.graph.nodes if n.op == "placeholder")}
     stage_of = {n: s for s, n in enumerate(calls)}
 
     def producer(node: fx.Node) -> int:  # the stage computing node's value; -1 for the input
@@ -233,7 +271,7 @@ def _programs(root: fx.GraphModule, model: nn.Module, rebuild: OutputStructure) 
         programs.append(
             StageProgram(
                 graph,
-                [None if a.op == "placeholder" else a.name for a in values(call.args)],
+                [index_of[a] if a.op == "placeholder" else a.name for a in values(call.args)],
                 [v.name for v in carried[s]],
                 produces,
                 sends,
@@ -275,7 +313,8 @@ def _set(root: nn.Module, name: str, value: torch.Tensor) -> None:
 
 class GraphStage(nn.Module):
     """This rank's stage of a model split at ``split_points``: the stage program of every trace made
-    so far (one per input shape, dtype and train/eval mode), chosen by the pipeline input's key.
+    so far (one per input names, shapes and dtypes, and train/eval mode), chosen by the pipeline
+    input's key.
 
     Its parameters are the user's parameters the stage uses (each trace's program is a child). Call
     :meth:`prepare` with every micro-batch's input before running it: tracing happens there, outside
@@ -287,7 +326,7 @@ class GraphStage(nn.Module):
         model: nn.Module,
         split_points: Sequence[str],
         stage: int,
-        call: Callable[[torch.Tensor], Any] | None = None,
+        call: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__()
         self._model = (model,)  # in a tuple: not a submodule (its parameters are not all this stage's)
@@ -297,15 +336,12 @@ class GraphStage(nn.Module):
         self._programs: dict[tuple, StageProgram] = {}
         self._rebuilds: dict[tuple, OutputStructure | None] = {}
 
-    def key(self, x: torch.Tensor) -> tuple:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"a model split at named modules takes one tensor input per batch (e.g. input_ids), got "
-                f"{type(x).__name__}"
-            )
-        return (tuple(x.shape), x.dtype, self._model[0].training)
+    def key(self, x: PipelineInput) -> tuple:
+        names = input_names(x)
+        shapes = tuple((tuple(t.shape), t.dtype) for t in flat_input(x))
+        return (names, shapes, self._model[0].training)
 
-    def prepare(self, x: torch.Tensor) -> GraphSplit | None:
+    def prepare(self, x: PipelineInput) -> GraphSplit | None:
         """Trace the model for ``x``'s key unless done already; the new split, or None."""
         key = self.key(x)
         if key in self._programs:
@@ -317,7 +353,7 @@ class GraphStage(nn.Module):
         self._rebuilds[key] = split.stages[-1].rebuild
         return split
 
-    def rebuild(self, x: torch.Tensor) -> OutputStructure:
+    def rebuild(self, x: PipelineInput) -> OutputStructure:
         """How the model's output for ``x`` is put together from its tensors (every stage knows)."""
         found = self._rebuilds[self.key(x)]
         assert found is not None
@@ -326,5 +362,5 @@ class GraphStage(nn.Module):
     def num_received(self, pipeline_input: Any) -> int:
         return len(self._programs[self.key(pipeline_input)].receives)
 
-    def forward(self, x: torch.Tensor, *received: torch.Tensor) -> Any:
-        return self._programs[self.key(x)](x, *received)
+    def forward(self, x: PipelineInput, *received: torch.Tensor) -> Any:
+        return self._programs[self.key(x)](flat_input(x), *received)

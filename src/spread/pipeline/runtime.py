@@ -13,19 +13,20 @@ every backward but the stage's last one runs inside it, and the last one trigger
 (overlapped with that backward by :class:`~spread.comm.GradientReducer`).
 
 Zero-bubble schedules split a backward into ``backward_input`` and ``backward_weight``
-(:class:`~spread.pipeline.split_backward.SplitBackward`); the forward of such a schedule records
-what the split needs, and the weight part counts as the micro-batch's backward above.
+(:class:`~spread.pipeline.split_backward.SplitBackward`; a traced stage's several outputs and inputs
+alike); the weight part counts as the micro-batch's backward above.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.profiler import record_function
 
@@ -163,14 +164,11 @@ class StageRunner:
                     args = self._args(inputs, received, i)
                     with (
                         self._meter(args[0] if self.is_first else None) as meter,
-                        split.forward() if split is not None else nullcontext() as graph,
                         forward_context() if forward_context is not None else nullcontext(),
                     ):
                         out = self.module(*args)
                         if self.is_last:
                             loss = loss_fn(out, targets[i])  # type: ignore[misc,index]
-                    if graph is not None:
-                        graphs[i] = graph
                     if meter is not None:
                         saved[i] = meter.bytes
                         live_saved += meter.bytes
@@ -198,14 +196,17 @@ class StageRunner:
                 elif a.op is Op.BACKWARD_INPUT:
                     t0 = time.perf_counter()
                     assert split is not None
+                    root_grads: list[torch.Tensor | None]
                     if self.is_last:
-                        root, grad = losses.pop(i) * weights[i], None
+                        roots, root_grads = [losses.pop(i) * weights[i]], [None]
                     else:
-                        (root,), grad = outputs.pop(i), grads.pop(i, [None])[0]
-                    if root.requires_grad:
-                        stage_input = received[i][0] if any(wants_grad.get(i, ())) else None
-                        with nullcontext() if no_sync is None else no_sync():
-                            split.backward_input(graphs[i], root, grad, stage_input)
+                        roots = [o for o in outputs.pop(i) if o.requires_grad]
+                        root_grads = list(grads.pop(i, []))
+                    stage_inputs = [
+                        d for d, w in zip(received.get(i, ()), wants_grad.get(i, ()), strict=True) if w
+                    ]
+                    with nullcontext() if no_sync is None else no_sync():
+                        graphs[i] = split.backward_input(roots, root_grads, stage_inputs)
                     self._account(times, a, t0)
                 elif a.op is Op.BACKWARD_WEIGHT:
                     t0 = time.perf_counter()
@@ -267,8 +268,8 @@ class StageRunner:
         otherwise be counted once per micro-batch)."""
         if not self.record:
             return nullcontext()
-        exclude = [*self.module.parameters(), *([data] if isinstance(data, torch.Tensor) else [])]
-        return SavedTensorBytes(exclude=exclude)
+        batch = [t for t in pytree.tree_leaves(data) if isinstance(t, torch.Tensor)]
+        return SavedTensorBytes(exclude=[*self.module.parameters(), *batch])
 
     def _account(self, times: StepTimes, action: Action, t0: float) -> None:
         t1 = time.perf_counter()
@@ -282,7 +283,16 @@ def _as_parts(out: Any) -> tuple[torch.Tensor, ...]:
 
 
 def _shape_keys(inputs: Sequence[Any] | None, count: int) -> list[Any]:
-    """Per micro-batch, what fixes the shapes of every activation: the pipeline input's shape."""
+    """Per micro-batch, what fixes the shapes of every activation: the pipeline input's shape (each
+    tensor's, by name, for a dict of keyword tensors)."""
     if inputs is None or len(inputs) != count:
         return [None] * count
-    return [("train", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in inputs]
+    return [_shape_key(x) for x in inputs]
+
+
+def _shape_key(x: Any) -> Hashable:
+    if isinstance(x, torch.Tensor):
+        return ("train", tuple(x.shape), x.dtype)
+    if isinstance(x, Mapping) and all(isinstance(v, torch.Tensor) for v in x.values()):
+        return ("train", tuple((k, tuple(v.shape), v.dtype) for k, v in x.items()))
+    return None

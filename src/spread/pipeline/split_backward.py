@@ -1,45 +1,48 @@
 """A stage's backward in two parts: the input gradient now, the weight gradients later.
 
 Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) rest on one fact: the
-previous stage waits only for the gradient of this stage's *input*. The gradients of the weights
+previous stage waits only for the gradient of this stage's *inputs*. The gradients of the weights
 are needed by nobody until the optimizer step, so they can be computed later, in the time a stage
 would otherwise sit idle waiting for a neighbour. For a linear layer the two parts cost about the
 same, so moving the second one fills most of a 1F1B pipeline's bubble.
 
-How the split is done with autograd alone, without recomputing anything:
+How the split is done with autograd alone, on the autograd graph (so it works the same for a stage
+of ``nn.Module`` layers and for a stage cut out of a ``torch.export`` graph, whose operations belong
+to no module that is called), without recomputing anything:
 
-* **Forward** (:meth:`SplitBackward.forward`): forward hooks on every module that owns parameters
-  note its output tensors' gradient edges, and a pre-hook on each such autograd node keeps the
-  gradient that flows into it during the input pass.
-* **Input pass** (:meth:`SplitBackward.backward_input`): ``torch.autograd.backward(root, grad,
-  inputs=[stage input], retain_graph=True)``. The engine computes only what leads to the input, so
-  the weight-gradient products of every layer are skipped; the pre-hooks keep each module's output
-  gradient; the graph stays alive.
-* **Weight pass** (:meth:`SplitBackward.backward_weight`): per module, ``backward(module output
-  edges, kept gradients, inputs=module's own parameters)``, which runs only that module's few nodes.
-  One call per module, not one for all: a single call would also send each module's kept gradient
-  on through its input into the earlier modules, counting their weights twice.
+* **Input pass** (:meth:`SplitBackward.backward_input`): the graph between the stage's outputs and
+  its inputs is read first. Its nodes on a path to an input are the *input part*; those off it lead
+  only to parameters. An input-part node with an edge off the input part is an *entry*: a pre-hook
+  on it keeps the gradient that flows into it. Then ``torch.autograd.backward(roots, grads,
+  inputs=stage inputs, retain_graph=True)``: the engine computes only what leads to the inputs, so
+  every weight-gradient product is skipped; the graph stays alive.
+* **Weight pass** (:meth:`SplitBackward.backward_weight`): per entry, ``backward(entry, kept
+  gradient, inputs=the parameters off its input-part edges)``, which runs that node's weight outputs
+  and the few nodes between it and its parameters (a transpose, a dtype cast). One call per entry,
+  not one for all: a single call would also send an entry's kept gradient on through its input part
+  into the entries below it, counting their weights twice.
 
-When that is exact: a module's parameters must reach the loss only through that module's outputs.
-Each micro-batch's graph is checked (:func:`_splittable`, ~0.5 ms for two GPT blocks and an LM head,
-so a graph that changes from step to step is safe): every autograd node that consumes one of the
-module's parameters must lie between the module's outputs and its inputs.
-Parameters that fail (tied weights used by two modules, a module called twice, a parameter used
-functionally elsewhere), parameters of modules whose nodes the input pass did not reach, and
-parameters owned by no module that ran, all get their gradient in one ordinary backward from the
-root, restricted to them, in the weight pass: correct in every case, merely not split.
+When that is exact: every path from the outputs to a parameter leaves the input part at exactly one
+entry, and the weight pass adds up the gradient of each such path once; the per-entry calls are
+linear in their gradients, so a cast or transpose shared by two entries still adds up. It fails only
+when a parameter is reached from an entry *through the input part too* (a layer called twice in a
+chain, a weight tied between two layers of the stage): such parameters get their gradient in one
+ordinary backward from the roots, restricted to them, in the weight pass: correct in every case,
+merely not split. So do the parameters when no input wants a gradient (the first stage). The graph
+is read again for every micro-batch (a graph may change between steps).
 
 Activation checkpointing inside the stage is correct too but wasteful: every engine call of the
 weight pass that unpacks a checkpointed region's saved tensors recomputes that region. A forward
-hook firing during the weight pass shows it; a warning says so once.
+hook on a parameter-owning module firing during the weight pass shows it; a warning says so once.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,30 +50,27 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 @dataclass
-class _Call:
-    """One run of a parameter-owning module in one micro-batch's forward."""
+class _Entry:
+    """An input-part node with edges off the input part: what its weight pass starts from."""
 
-    module: nn.Module
-    inputs: list[torch.Tensor]  # tensor inputs that require grad (where its graph region stops)
-    edges: list[GradientEdge]  # gradient edges of its outputs that require grad
+    node: Any  # torch.autograd.graph.Node
+    params: list[torch.Tensor]  # the parameters reached through its edges off the input part
+    kept: tuple[torch.Tensor | None, ...] | None = None  # the gradient flowing into it (input pass)
 
 
 @dataclass
 class MicrobatchGraph:
-    """What one micro-batch's forward left for its split backward."""
+    """What one micro-batch's input pass left for its weight pass."""
 
-    calls: list[_Call] = field(default_factory=list)
-    # (id(edge node), output_nr) -> the gradient that reached it in the input pass (None: none did);
-    # an edge whose node the input pass never ran has no entry
-    kept: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
-    hooked: set[tuple[int, int]] = field(default_factory=set)
-    split: set[int] = field(default_factory=set)  # ids of the modules whose weight pass may be split
-    root: torch.Tensor | None = None
-    root_grad: torch.Tensor | None = None
+    entries: list[_Entry] = field(default_factory=list)
+    rest: list[torch.Tensor] = field(default_factory=list)  # parameters left to one root run
+    roots: list[torch.Tensor] = field(default_factory=list)
+    root_grads: list[torch.Tensor | None] = field(default_factory=list)
 
-
-def _edge_key(edge: GradientEdge) -> tuple[int, int]:
-    return id(edge.node), edge.output_nr
+    @property
+    def split_params(self) -> int:
+        """How many parameters the weight pass computes from entries (not by the root run)."""
+        return len({id(p) for e in self.entries for p in e.params})
 
 
 class SplitBackward:
@@ -78,73 +78,61 @@ class SplitBackward:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.owners = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(False))]
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self._recording: MicrobatchGraph | None = None
         self._in_weight_pass = False
         self._warned = False
-        self._handles = [m.register_forward_hook(self._on_forward) for m in self.owners]
+        owners = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(False))]
+        self._handles = [m.register_forward_hook(self._on_forward) for m in owners]
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    @contextmanager
-    def forward(self) -> Iterator[MicrobatchGraph]:
-        """Record the module calls of the forward run inside this block."""
-        graph = MicrobatchGraph()
-        self._recording = graph
-        try:
-            yield graph
-        finally:
-            self._recording = None
+    def _params(self) -> list[torch.Tensor]:
+        """The stage's trainable parameters, read per micro-batch (a traced stage gains a program,
+        with the same parameters, for every new input shape)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def _on_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        graph = self._recording
-        if graph is None and self._in_weight_pass and not self._warned:
+        if self._in_weight_pass and not self._warned:
             self._warned = True
             warnings.warn(
-                "a zero-bubble weight pass is recomputing checkpointed activations, once per module; "
-                "use schedule='1f1b' with activation checkpointing",
+                "a zero-bubble weight pass is recomputing checkpointed activations, once per entry "
+                "node; use schedule='1f1b' with activation checkpointing",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if graph is None or not torch.is_grad_enabled():
-            return  # inference, or a recomputation in backward: nothing to split
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        edges = [
-            get_gradient_edge(t)
-            for t in outputs
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
-        ]
-        hooked = graph.hooked
-        for edge in edges:
-            key = _edge_key(edge)
-            if key in hooked:
-                continue
-            hooked.add(key)
-
-            def keep(grad_outputs: tuple, key: tuple[int, int] = key, nr: int = edge.output_nr) -> None:
-                graph.kept[key] = grad_outputs[nr]
-
-            edge.node.register_prehook(keep)
-        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        graph.calls.append(_Call(module, inputs, edges))
 
     def backward_input(
         self,
-        graph: MicrobatchGraph,
-        root: torch.Tensor,
-        grad: torch.Tensor | None,
-        stage_input: torch.Tensor | None,
-    ) -> None:
-        """The input pass: ``stage_input.grad`` (when it wants one); weights untouched, graph kept."""
-        graph.root, graph.root_grad = root, grad
-        if stage_input is not None and stage_input.requires_grad:
-            # Without an input pass no output gradient is kept, so nothing could be split anyway.
-            graph.split = _splittable(graph, root, self.owners)
-            torch.autograd.backward(root, grad, inputs=[stage_input], retain_graph=True)
+        roots: torch.Tensor | Sequence[torch.Tensor],
+        grads: torch.Tensor | Sequence[torch.Tensor | None] | None,
+        stage_inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+    ) -> MicrobatchGraph:
+        """The input pass: each stage input's ``.grad`` (those that require one); weights untouched,
+        graph kept. Returns what the weight pass needs."""
+        root_list = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+        if grads is None or isinstance(grads, torch.Tensor):
+            grad_list: list[torch.Tensor | None] = [grads] * len(root_list)
+        else:
+            grad_list = list(grads)
+        if stage_inputs is None:
+            input_list: list[torch.Tensor] = []
+        elif isinstance(stage_inputs, torch.Tensor):
+            input_list = [stage_inputs]
+        else:
+            input_list = list(stage_inputs)
+        input_list = [t for t in input_list if t.requires_grad]
+        params = self._params()
+        graph = MicrobatchGraph(roots=root_list, root_grads=grad_list)
+        if not input_list or not any(r.grad_fn is not None for r in root_list):
+            graph.rest = params  # nothing to split: no input pass, the weight pass does it all
+            return graph
+        graph.entries, graph.rest = _entries(root_list, input_list, params)
+        for entry in graph.entries:
+            entry.node.register_prehook(_keeper(entry))
+        torch.autograd.backward(root_list, grad_list, inputs=input_list, retain_graph=True)
+        return graph
 
     def backward_weight(
         self, graph: MicrobatchGraph, no_sync: Callable[[], AbstractContextManager] | None = None
@@ -153,25 +141,15 @@ class SplitBackward:
 
         ``no_sync``: a gradient exchange (hybrid) triggered at the end of a backward must happen once,
         after the last of this pass's engine calls; the calls before it run inside ``no_sync``."""
-        if graph.root is None:
-            return  # nothing required a gradient (backward_input was not run)
         runs: list[tuple[list, list, list]] = []  # (roots, their gradients, parameters)
-        covered: set[int] = set()
-        for call in graph.calls:
-            if id(call.module) not in graph.split:  # (a module that ran twice is never in it)
-                continue
-            if any(_edge_key(e) not in graph.kept for e in call.edges):
-                continue  # the input pass did not run all its outputs' nodes: the root run decides
-            pairs = [(e, graph.kept[_edge_key(e)]) for e in call.edges]
-            pairs = [(e, g) for e, g in pairs if g is not None]
-            if not pairs:
-                continue  # no gradient reached its outputs
-            params = [p for p in call.module.parameters(False) if p.requires_grad]
-            runs.append(([e for e, _ in pairs], [g for _, g in pairs], params))
-            covered.update(id(p) for p in params)
-        rest = [p for p in self.params if id(p) not in covered]
-        if rest:
-            runs.append(([graph.root], [graph.root_grad], rest))
+        for entry in graph.entries:
+            kept = entry.kept if entry.kept is not None else ()
+            pairs = [(GradientEdge(entry.node, k), g) for k, g in enumerate(kept) if g is not None]
+            if pairs:  # else no gradient reached it: nothing to add
+                runs.append(([e for e, _ in pairs], [g for _, g in pairs], entry.params))
+        rooted = [(r, g) for r, g in zip(graph.roots, graph.root_grads, strict=True) if r.requires_grad]
+        if graph.rest and rooted:
+            runs.append(([r for r, _ in rooted], [g for _, g in rooted], graph.rest))
         self._in_weight_pass = True
         try:
             for n, (roots, grads, params) in enumerate(runs):
@@ -180,54 +158,93 @@ class SplitBackward:
                     torch.autograd.backward(roots, grads, inputs=params, retain_graph=not last)
         finally:
             self._in_weight_pass = False
-        graph.calls.clear()
-        graph.kept.clear()
-        graph.hooked.clear()
-        graph.split.clear()
-        graph.root = graph.root_grad = None
+        graph.entries.clear()
+        graph.rest = []
+        graph.roots, graph.root_grads = [], []
 
 
-def _splittable(graph: MicrobatchGraph, root: torch.Tensor, owners: list[nn.Module]) -> set[int]:
-    """Ids of the modules whose weight gradients the weight pass may compute from their outputs.
+def _keeper(entry: _Entry) -> Callable[[tuple], None]:
+    """A pre-hook keeping the gradient that reaches ``entry`` in the input pass (only the first time:
+    the weight pass runs the node again)."""
 
-    A module qualifies when it ran once, and every autograd node that consumes one of its own
-    parameters lies in its own part of the graph: reachable from its outputs without passing
-    through its inputs. Then its outputs' gradients are all the loss says about its parameters.
-    """
-    if root.grad_fn is None:
-        return set()
-    consumers: dict[int, set[int]] = {}  # id(AccumulateGrad node) -> ids of nodes with an edge to it
+    def keep(grad_outputs: tuple) -> None:
+        if entry.kept is None:
+            entry.kept = tuple(grad_outputs)
+
+    return keep
+
+
+def _entries(
+    roots: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]
+) -> tuple[list[_Entry], list[torch.Tensor]]:
+    """The entries of the graph from ``roots`` to ``inputs``, each with the parameters it alone
+    reaches off the input part, and the parameters left to the root run."""
+    targets = {id(get_gradient_edge(t).node) for t in inputs}
+    param_of = {id(get_gradient_edge(p).node): p for p in params}
+    # Every node reachable from the roots, children first (an iterative post-order).
+    order: list[Any] = []
     seen: set[int] = set()
-    stack = [root.grad_fn]
+    stack: list[tuple[Any, bool]] = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
     while stack:
-        node = stack.pop()
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
         if id(node) in seen:
             continue
         seen.add(id(node))
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            if type(nxt).__name__ == "AccumulateGrad":
-                consumers.setdefault(id(nxt), set()).add(id(node))
-            stack.append(nxt)
-    runs: dict[int, int] = {}
-    for call in graph.calls:
-        runs[id(call.module)] = runs.get(id(call.module), 0) + 1
-    ok: set[int] = set()
-    for call in graph.calls:
-        module = call.module
-        if runs[id(module)] != 1 or not call.edges:
+        stack.append((node, True))
+        stack.extend((nxt, False) for nxt, _ in node.next_functions if nxt is not None)
+    # The input part: nodes with a path to an input. Off it, the parameters each node reaches.
+    on_input: set[int] = set()
+    reaches: dict[int, set[int]] = {}  # off the input part: id(node) -> ids of AccumulateGrad nodes
+    for node in order:
+        children = [nxt for nxt, _ in node.next_functions if nxt is not None]
+        if id(node) in targets or any(id(c) in on_input for c in children):
+            on_input.add(id(node))
             continue
-        stop = {id(t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node) for t in call.inputs}
-        region: set[int] = set()
-        stack = [e.node for e in call.edges]
+        found = {id(node)} if id(node) in param_of else set()
+        for c in children:
+            found |= reaches[id(c)]
+        reaches[id(node)] = found
+    entries: list[_Entry] = []
+    entries_of: dict[int, list[int]] = {}  # id(AccumulateGrad) -> indices of entries reaching it
+    for node in order:
+        if id(node) not in on_input or id(node) in targets:
+            continue
+        off = set()
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in on_input:
+                off |= reaches[id(nxt)]
+        if off:
+            for acc in off:
+                entries_of.setdefault(acc, []).append(len(entries))
+            entries.append(_Entry(node, [param_of[a] for a in sorted(off)]))
+    # A parameter two entries reach, one below the other in the input part: the upper entry's run
+    # would pass its gradient down into the lower one and count it twice; the root run takes it.
+    shared = [acc for acc, idx in entries_of.items() if len(idx) > 1]
+    unsplit = {
+        acc for acc in shared if _one_below_another([entries[i].node for i in entries_of[acc]], on_input)
+    }
+    for entry in entries:
+        entry.params = [p for p in entry.params if id(get_gradient_edge(p).node) not in unsplit]
+    entries = [e for e in entries if e.params]
+    covered = {id(p) for e in entries for p in e.params}
+    return entries, [p for p in params if id(p) not in covered]
+
+
+def _one_below_another(nodes: list[Any], on_input: set[int]) -> bool:
+    """Whether one of ``nodes`` lies below another within the input part."""
+    wanted = {id(n) for n in nodes}
+    for top in nodes:
+        stack = [nxt for nxt, _ in top.next_functions if nxt is not None and id(nxt) in on_input]
+        seen: set[int] = set()
         while stack:
             node = stack.pop()
-            if id(node) in region or id(node) in stop:
+            if id(node) in seen:
                 continue
-            region.add(id(node))
-            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-        params = [p for p in module.parameters(False) if p.requires_grad]
-        if all(consumers.get(id(get_gradient_edge(p).node), set()) <= region for p in params):
-            ok.add(id(module))
-    return ok
+            seen.add(id(node))
+            if id(node) in wanted:
+                return True
+            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and id(nxt) in on_input)
+    return False

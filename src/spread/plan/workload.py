@@ -73,7 +73,7 @@ class ModelProfile:
     # batches (pipeline micro-batches) cost more per sample than the straight line ``compute`` says
     compute_curve: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # micro-batch samples -> how much slower a zero-bubble stage's split backward (input pass, then
-    # one weight pass per module: spread.pipeline.split_backward) makes forward+backward than one
+    # one weight pass per entry node: spread.pipeline.split_backward) makes forward+backward than one
     # ordinary backward, measured on the blocks after the first (what a later stage runs)
     split_backward: dict[int, float] = field(default_factory=dict)
     # bytes of the model's buffers (BatchNorm statistics): multi-process data parallelism averages
@@ -431,10 +431,8 @@ def _split_backward_steps(
             for p in params:
                 p.grad = None
             x.grad = None
-            with splitter.forward() as graph:
-                loss = forward_loss(rest, loss_fn, x, y)
-            splitter.backward_input(graph, loss, None, x)
-            splitter.backward_weight(graph)
+            loss = forward_loss(rest, loss_fn, x, y)
+            splitter.backward_weight(splitter.backward_input(loss, None, x))
 
         steps[n] = (plain, split)
     return steps

@@ -82,6 +82,11 @@ class TrainingProgram(Protocol):
         ``logits``; a tensor as it is)."""
         ...
 
+    def model_loss(self, output: Any) -> torch.Tensor:
+        """The loss a model computed itself (``loss_fn=None``: a ``ModelOutput``'s ``loss``); raises
+        ``ValueError`` when the output has none."""
+        ...
+
 
 def check_reduce_op(op: str) -> str:
     op = str(op).lower()

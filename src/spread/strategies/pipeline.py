@@ -8,6 +8,17 @@ head) stays one parameter: its stages sum their gradients after each step. ``Tra
 ``loss_fn`` the output's prediction (``logits``), as on one device; ``train_step`` hands it the raw
 model output.
 
+Batches, as on one device: ``(inputs, targets)``, or (a model split at module paths) a dict of the
+model's keyword tensors, Hugging Face style (``model(**batch)``; every tensor is cut into the same
+micro-batches; ``labels`` reach the stage that uses them, the last one when the model computes its
+loss, without a transfer: every stage reads the batch). With ``Trainer(loss_fn=None)`` the last stage
+takes the model's own ``loss`` (``GPT2LMHeadModel(labels=...)``). Exactness of a model's own mean
+loss: each micro-batch's mean is weighted by its share of the samples, as ``Trainer(
+accumulation_steps=k)`` and every data-parallel strategy weigh a replica's mean; that is the mean over
+the global batch when every sample counts the same number of loss terms (causal-LM batches of equal
+length without ``-100`` labels). A token mean over labels with ``-100`` (padding) becomes the mean of
+the micro-batches' token means, the result of one device with ``accumulation_steps=microbatches``.
+
 Topology: ``stages`` x ``replicas`` processes. Global rank ``r`` is stage ``r % stages`` of pipeline
 replica ``r // stages``; the ranks of one pipeline replica are contiguous. Every rank of a pipeline
 replica reads the same slice of each global batch (stage 0 uses the inputs, the last stage the
@@ -74,7 +85,7 @@ from spread.comm.compiled import compiled_kind
 from spread.comm.ops import classify_error, destroy_group
 from spread.comm.peers import record_job_processes
 from spread.data import DataChannel, ReplicaLayout
-from spread.data.batches import inputs_and_targets
+from spread.data.batches import as_batch
 from spread.errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -96,7 +107,7 @@ from spread.pipeline import (
     partition,
 )
 from spread.pipeline.affinity import CpuBinding, bind_local_cpus
-from spread.pipeline.graph_split import GraphStage, check_split_points
+from spread.pipeline.graph_split import GraphStage, check_split_points, input_names
 from spread.pipeline.ownership import StaleStateGuard, TiedGradients, first_owned
 from spread.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 from spread.pipeline.partition import bounds_from_split_points, check_stage_count
@@ -111,11 +122,50 @@ _WRAP_KIND = "pipeline"
 
 
 def _chunks(value: Any, parts: int) -> list[Any]:
+    """``parts`` micro-batches of a tensor, or of a dict of keyword tensors (each tensor cut alike
+    along dimension 0; sizes differ by at most one, the larger first)."""
     if parts == 0:
         return []
     if isinstance(value, torch.Tensor):
         return list(torch.tensor_split(value, parts))
-    raise TypeError(f"pipeline inputs and targets must be tensors, got {type(value).__name__}")
+    if isinstance(value, Mapping):
+        _num_samples(value)  # every value a tensor with the same number of samples
+        columns = {k: torch.tensor_split(v, parts) for k, v in value.items()}
+        return [{k: column[i] for k, column in columns.items()} for i in range(parts)]
+    raise TypeError(
+        "pipeline inputs and targets must be tensors (or a dict of keyword tensors), got "
+        f"{type(value).__name__}"
+    )
+
+
+def _num_samples(x: Any) -> int:
+    """Samples in a pipeline input: dimension 0 of the tensor, or of every tensor of a dict."""
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0])
+    if isinstance(x, Mapping):
+        sizes = {k: int(v.shape[0]) for k, v in x.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        others = sorted(k for k in x if k not in sizes)
+        if others:
+            raise TypeError(
+                f"a pipeline cuts every entry of a dict batch into micro-batches along dimension 0; {others} "
+                "are not tensors with a batch dimension"
+            )
+        if len(set(sizes.values())) != 1:
+            raise ValueError(
+                f"the dict batch's tensors disagree on the number of samples (dimension 0): {sizes}"
+            )
+        return next(iter(sizes.values()))
+    raise TypeError(f"pipeline inputs must be tensors (or a dict of keyword tensors), got {type(x).__name__}")
+
+
+def _combine(column: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """One output tensor of the whole batch from its micro-batches' pieces: concatenated along the
+    batch dimension, or, for a scalar (a ``ModelOutput``'s mean ``loss``), averaged by samples."""
+    if column[0].dim() > 0:
+        return torch.cat(list(column))
+    stacked = torch.stack([t.to(torch.float64) for t in column])
+    share = torch.tensor(sizes, dtype=torch.float64, device=stacked.device) / sum(sizes)
+    return (stacked * share).sum().to(column[0].dtype)
 
 
 class PipelineStrategy(Strategy):
@@ -176,12 +226,6 @@ class PipelineStrategy(Strategy):
             )
         _check_args(stages, microbatches, schedule, split_points, replicas, balance_by)
         self.named_split = split_points is not None and all(isinstance(p, str) for p in split_points)
-        if self.named_split and schedule == "zb":
-            raise ValueError(
-                "schedule='zb' does not combine with split_points given as module names: a traced stage "
-                "passes several tensors and is re-traced per input shape, and the split backward hooks "
-                "modules once; use schedule='1f1b' or 'gpipe'"
-            )
         if schedule == "zb" and checkpoint_stages:
             raise ValueError(
                 "schedule='zb' does not combine with checkpoint_stages=True: its weight pass runs once "
@@ -344,7 +388,7 @@ class PipelineStrategy(Strategy):
         wrap_forward(model, _WRAP_KIND, self._pipelined_forward)
         return model
 
-    def _ensure_partitioned(self, sample: torch.Tensor | None) -> None:
+    def _ensure_partitioned(self, sample: Any) -> None:
         if self._bounds is not None or self._graph_stage is not None:
             return
         assert self._model is not None
@@ -387,15 +431,11 @@ class PipelineStrategy(Strategy):
         start, end = self._bounds[self.stage]
         self._start_stage(nn.Sequential(*layers[start:end]), None)
 
-    def _partition_traced(self, sample: torch.Tensor | None) -> None:
+    def _partition_traced(self, sample: Any) -> None:
         """Every rank traces the whole model on the same first micro-batch, so every rank knows every
         stage's tensors without a message; rank 0's weights are broadcast first, as for layers."""
         assert self._model is not None and self.split_points is not None
-        if not isinstance(sample, torch.Tensor):
-            raise TypeError(
-                "a model split at named modules takes one tensor input per batch (e.g. input_ids, "
-                f"with (input_ids, labels) batches), got {type(sample).__name__}"
-            )
+        input_names(sample)  # one tensor or a dict of them, refused alike on every rank
         with self._guard("the initial weight broadcast"):
             self.world.broadcast_tensors(
                 [*self._model.parameters(), *self._model.buffers()], src=0, name="pipeline_weights"
@@ -420,9 +460,14 @@ class PipelineStrategy(Strategy):
                 continue
             for s in range(self.stages):
                 if [id(t) for t in split.stage_tensors(s)] != [id(t) for t in self._stage_tensors[s]]:
+                    shapes = (
+                        {k: tuple(v.shape) for k, v in x.items()}
+                        if isinstance(x, Mapping)
+                        else tuple(x.shape)
+                    )
                     raise SpreadError(
-                        f"tracing the model for input shape {tuple(x.shape)} gave stage {s} other "
-                        "parameters than the first trace did; the split must not depend on the input"
+                        f"tracing the model for input shapes {shapes} gave stage {s} other parameters "
+                        "than the first trace did; the split must not depend on the input"
                     )
 
     def _start_stage(self, module: nn.Module, traced: GraphStage | None) -> None:
@@ -466,28 +511,65 @@ class PipelineStrategy(Strategy):
                 yield
 
     # -- training ----------------------------------------------------------------------------------
+    def _check_input_kind(self, x: Any) -> None:
+        """Dict batches are the keyword arguments of a model split at module paths; a layer split
+        passes one tensor into its first layer."""
+        if isinstance(x, Mapping) and not self.named_split:
+            raise TypeError(
+                "PipelineStrategy takes a dict batch (the model's keyword arguments, Hugging Face style) "
+                "only for a model split at module paths (split_points=['transformer.h.2', ...]); a model "
+                "split by layer index takes (inputs, targets) batches"
+            )
+
+    def _check_model_loss(self, xs: Sequence[Any], model_loss: Callable[[Any], torch.Tensor]) -> None:
+        """Every rank knows the model's output structure from its own trace, so a model that computes
+        no loss for these inputs (a batch without ``labels``) is refused by every rank alike, before
+        any stage waits for another."""
+        if self._graph_stage is None:
+            raise ValueError(
+                "Trainer(loss_fn=None) takes the loss the model computes, so PipelineStrategy must trace "
+                "it: give split_points as module paths (split_points=['transformer.h.2', ...]); a model "
+                "split by layer index needs a loss_fn"
+            )
+        for structure in {id(s): s for s in map(self._graph_stage.rebuild, xs)}.values():
+            model_loss(structure([torch.empty(0)] * structure.num_tensors))
+
     def _step(
         self,
         model: nn.Module,
         x: Any,
         y: Any,
         loss_fn: Callable,
-        on_loss: Callable | None,
+        on_loss: Callable[[Any, Any, torch.Tensor, int], None] | None,
         forward_context: Callable[[], AbstractContextManager] | None = None,
+        model_loss: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
+        """One mini-batch through the pipeline. ``x``: a tensor or a dict of keyword tensors (its
+        ``labels`` are then the targets ``loss_fn`` gets); ``on_loss(output, target, loss, samples)``
+        per micro-batch on the last stage; ``model_loss``: the loss is the model's own (checked first)."""
         self._check_model(model)
         if get_replica_context() is not None:
             raise SpreadError("call train_step from the training loop, not inside strategy.run")
-        n = int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
+        self._check_input_kind(x)
+        n = _num_samples(x)
         m = min(self.microbatches, n)
-        xs, ys = _chunks(x, m), _chunks(y, m)
+        xs = _chunks(x, m)
+        ys = [c.get("labels") for c in xs] if isinstance(x, Mapping) else _chunks(y, m)
+        sizes = [_num_samples(c) for c in xs]
         self._ensure_partitioned(xs[0] if xs else None)
         self._prepare_traces(xs)
+        if model_loss is not None:
+            self._check_model_loss(xs, model_loss)
         if self._state_guard is not None:  # from now on, other stages' layers here go out of date
             self._state_guard.stale = self.stages > 1
         info, self._step_info = self._step_info, None
         global_n = info.global_size if info is not None and info.global_size > 0 else n * self.replicas
-        weights = [int(c.shape[0]) / global_n for c in ys]
+        weights = [size / global_n for size in sizes]
+
+        def counted(i: int, out: Any, target: Any, loss: torch.Tensor) -> None:
+            if on_loss is not None:
+                on_loss(out, target, loss, sizes[i])
+
         assert self._runner is not None
         with self._guard("a training step"):
             if m == 0:  # this replica got no samples: it still joins the gradient exchange
@@ -504,7 +586,7 @@ class PipelineStrategy(Strategy):
                 loss_fn,
                 weights,
                 no_sync=self._reducer.no_sync if self._reducer is not None else None,
-                on_loss=on_loss,
+                on_loss=counted,
                 forward_context=forward_context,
             )
             if self._buffers is not None:  # the stage's replicas: the same running statistics
@@ -513,13 +595,16 @@ class PipelineStrategy(Strategy):
 
     def train_step(self, model: nn.Module, x: Any, y: Any, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of one mini-batch through the pipeline; ``.grad`` holds the gradient
-        of the global mean loss when it returns (call ``optimizer.step()`` next). Collective: every
-        rank calls it with its batch. Returns the global mean loss, the same on every rank."""
+        of the global mean loss when it returns (call ``optimizer.step()`` next). ``x`` is a tensor or
+        (a model split at module paths) a dict of keyword tensors, ``model(**x)``; ``loss_fn(output,
+        y_part)`` gets the raw model output and the micro-batch's part of ``y`` (of ``x["labels"]`` for
+        a dict; ``lambda out, _: out.loss`` takes a model's own loss). Collective: every rank calls it
+        with its batch. Returns the global mean loss, the same on every rank."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.world.device)
 
-        def on_loss(i: int, out: torch.Tensor, target: Any, loss: torch.Tensor) -> None:
-            sums[0] += float(loss.detach()) * int(target.shape[0])
-            sums[1] += int(target.shape[0])
+        def on_loss(out: Any, target: Any, loss: torch.Tensor, samples: int) -> None:
+            sums[0] += float(loss.detach()) * samples
+            sums[1] += samples
 
         self._step(model, x, y, loss_fn, on_loss)
         with self._guard("the loss all-reduce"):
@@ -529,31 +614,38 @@ class PipelineStrategy(Strategy):
     def run_training_step(self, program: TrainingProgram, batch: Any) -> torch.Tensor:
         """One pipelined step; returns ``[loss*n, n, metric sums..., stop votes]`` summed over the
         global batch (votes: every rank's ``program.stop_vote()``), the same on every rank. The
-        caller (the Trainer) steps the optimizer afterwards."""
+        caller (the Trainer) steps the optimizer afterwards. Batches as on one device: ``(inputs,
+        targets)``, or a dict of the model's keyword tensors; ``loss_fn=None`` takes the model's own
+        loss (see the module's note on its exactness)."""
         if program.accumulation_steps != 1:
             raise ValueError(
                 "Trainer(accumulation_steps=k) does not combine with PipelineStrategy: the pipeline "
                 "already splits each batch; raise PipelineStrategy(microbatches=...) instead"
             )
-        if program.loss_fn is None:
+        b = as_batch(batch, who="PipelineStrategy")
+        if b.weights is not None:
             raise ValueError(
-                "PipelineStrategy needs Trainer(loss_fn=...): the last stage computes the loss from "
-                "(inputs, targets) batches; a model computing its own loss is not pipelined"
+                "PipelineStrategy does not weigh samples (sample_weight): the loss is computed per "
+                "micro-batch on the last stage; train without sample weights"
             )
         user_loss_fn = program.loss_fn
+        if b.as_keywords and user_loss_fn is not None and b.targets is None:
+            raise ValueError("Trainer got a batch without 'labels' and a loss_fn: the loss_fn has no targets")
 
         def loss_fn(out: Any, target: Any) -> torch.Tensor:  # as the Trainer does on one device
+            if user_loss_fn is None:
+                return program.model_loss(out)
             return user_loss_fn(program.prediction(out), target)
 
-        x, y = inputs_and_targets(batch, who="PipelineStrategy")
         width = 2 + len(program.metrics)
         stats = torch.zeros(width + 1, dtype=torch.float64, device=self.world.device)
 
-        def on_loss(i: int, out: Any, target: Any, loss: torch.Tensor) -> None:
+        def on_loss(out: Any, target: Any, loss: torch.Tensor, samples: int) -> None:
             pred = program.prediction(out)
-            stats[:width].add_(program.batch_stats(pred, target, loss, int(target.shape[0])).to(stats.device))
+            stats[:width].add_(program.batch_stats(pred, target, loss, samples).to(stats.device))
 
-        self._step(program.model, x, y, loss_fn, on_loss, program.forward_context)
+        model_loss = program.model_loss if user_loss_fn is None else None
+        self._step(program.model, b.inputs, b.targets, loss_fn, on_loss, program.forward_context, model_loss)
         stats[width] = program.stop_vote()  # every rank votes; only last stages add statistics
         with self._guard("the metrics all-reduce"):
             self.world.all_reduce(stats, name="pipeline_metrics")  # only last stages contribute
@@ -584,17 +676,24 @@ class PipelineStrategy(Strategy):
             )
 
     # -- inference ---------------------------------------------------------------------------------
-    def _pipelined_forward(self, inner: Callable, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def _pipelined_forward(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             raise SpreadError(
                 "under PipelineStrategy, model(x) runs the pipeline for inference only: call it inside "
                 "torch.no_grad(); train with Trainer.fit or strategy.train_step(model, x, y, loss_fn)"
             )
-        if args or kwargs or not isinstance(x, torch.Tensor):
-            raise TypeError("a pipelined model takes one tensor argument")
-        n = int(x.shape[0])
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            x: Any = args[0]
+        elif kwargs and not args:
+            x = kwargs
+            self._check_input_kind(x)
+        else:
+            raise TypeError(
+                "a pipelined model takes one tensor argument, or (split at module paths) keyword tensors"
+            )
+        n = _num_samples(x)
         if n == 0:
-            return inner(x)  # nothing to pipeline; every rank holds every layer
+            return inner(x) if isinstance(x, torch.Tensor) else inner(**x)  # every rank holds every layer
         m = min(self.microbatches, n)
         xs = _chunks(x, m)
         self._ensure_partitioned(xs[0])
@@ -610,7 +709,8 @@ class PipelineStrategy(Strategy):
             flat = None
             if outputs is not None:
                 parts = [[t for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)] for o in outputs]
-                flat = [torch.cat(column) for column in zip(*parts, strict=True)]
+                sizes = [_num_samples(c) for c in xs]
+                flat = [_combine(column, sizes) for column in zip(*parts, strict=True)]
             tensors = [
                 self._broadcast_output(flat[k] if flat is not None else None)
                 for k in range(structure.num_tensors)

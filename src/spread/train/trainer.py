@@ -194,6 +194,10 @@ class Trainer:
         """What ``loss_fn`` and metrics get from a model output (see :func:`prediction_of`)."""
         return prediction_of(output)
 
+    def model_loss(self, output: Any) -> torch.Tensor:
+        """The loss the model computed (``loss_fn=None``; see :func:`loss_of`)."""
+        return loss_of(output)
+
     def batch_stats(self, y_pred: torch.Tensor, y: Any, loss: torch.Tensor, n: int) -> torch.Tensor:
         """``[loss*n, n, metric sums...]`` of ``n`` samples (float64, summed over replicas later).
         Under mixed precision the loss is widened first, so sums keep their digits."""
