@@ -265,6 +265,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="relaunch all ranks up to R times after a failure (default: 0)",
     )
     add(
+        "--recover",
+        action="store_true",
+        help="recovery without restart: when a rank dies, is preempted or stays stopped, the others "
+        "regroup at the next step boundary and train on at the smaller world size, with the same global "
+        "batch (MultiWorkerMirroredStrategy under Trainer.fit; a stopped rank is killed first). The job "
+        "exits 0 when the survivors finish",
+    )
+    add(
         "--kill-grace",
         type=_seconds,
         default=10.0,
@@ -332,6 +340,7 @@ _FLAGS = {
     "master_port": "--master-port",
     "max_restarts": "--max-restarts",
     "kill_grace": "--kill-grace",
+    "recover": "--recover",
     "entrypoint": "SCRIPT",
     "workers": "--workers",
     "ps": "--ps",
@@ -456,6 +465,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             master_port=master_port,
             module=args.module,
             max_restarts=args.max_restarts,
+            recover=args.recover,
             kill_grace=args.kill_grace,
             prefix_output=not args.no_prefix,
             workers=args.workers,

@@ -113,6 +113,9 @@ class LaunchConfig:
         master_port: port of the store; ``None`` or 0 picks a free one on a single node.
         module: run ``python -m entrypoint`` instead of a script.
         max_restarts: how many times the whole group is relaunched after a failure.
+        recover: recovery without restart: a rank that exits non-zero (or stays stopped, then killed)
+            is lost, not a failure of the job: the others keep running (told by ``SPREAD_RECOVER=1``,
+            they regroup without it) and the job succeeds when every rank left exits 0.
         kill_grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         prefix_output: tag every relayed line with ``[rank R] ``.
         workers: with ``ps``: worker tasks beside the chief (a parameter-server job).
@@ -145,6 +148,7 @@ class LaunchConfig:
     master_port: int | None = None
     module: bool = False
     max_restarts: int = 0
+    recover: bool = False
     kill_grace: float = 10.0
     prefix_output: bool = True
     workers: int = 0
@@ -163,6 +167,15 @@ class LaunchConfig:
         for name in ("workers", "ps"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise _invalid(name, "must be an integer >= 0", getattr(self, name))
+        if not isinstance(self.recover, bool):
+            raise _invalid("recover", "must be True or False", self.recover)
+        if self.recover and self.ps:
+            raise _invalid(
+                "recover",
+                "is not supported for a parameter-server job (its workers and servers do not step together; "
+                "recovery without restart regroups MultiWorkerMirroredStrategy ranks)",
+                self.recover,
+            )
         if (self.workers or self.evaluator) and not self.ps:
             raise _invalid("ps", "must be >= 1 with workers or evaluator (a parameter-server job)", self.ps)
         if self.ps:
@@ -462,6 +475,7 @@ class _Attempt:
         self.threads: list[threading.Thread] = []
         self.tf_config: dict[str, list[str]] | None = None
         self.stopped_since: dict[int, float] = {}
+        self.lost: dict[int, int] = {}  # --recover: local rank -> return code of each rank lost
         self.store_address: tuple[str, int] | None = None  # once the ranks are told where it is
         self.reporting: threading.Thread | None = None  # a report of where each rank is, under way
 
@@ -498,6 +512,7 @@ class _Attempt:
             TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in _STOP_SIGNALS),
             TORCHELASTIC_ERROR_FILE=str(self.launch.errors.path(self.number, rank)),
             **{spread_env.RESTART_COUNT: str(self.restart_count), spread_env.LAUNCHER: "1"},
+            **({spread_env.RECOVER: "1"} if c.recover else {}),
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -707,16 +722,46 @@ class _Attempt:
             # handler when the main thread next executes bytecode.
             if self._take(_TICK):
                 return None
-            for local_rank in self.returncodes.keys() - seen:
+            for local_rank in sorted(self.returncodes.keys() - seen):
                 if self.returncodes[local_rank] != 0:
-                    return _Failure(self.rank(local_rank), self.returncodes[local_rank])
+                    if not self.config.recover:
+                        return _Failure(self.rank(local_rank), self.returncodes[local_rank])
+                    self._lose(local_rank)
             if (stopped := self._stopped_rank()) is not None:
-                return stopped
+                if not self.config.recover:
+                    return stopped
+                self._kill_stopped(stopped)
+            if self.config.recover and len(self.returncodes) == len(self.procs):
+                break
             if self._nodes_waiting():
                 return _Failure(-1, 0, regroup=True)
             if self.config.ps and all(self.returncodes.get(r) == 0 for r in training):
                 return None
+        if self.lost and not any(code == 0 for code in self.returncodes.values()):
+            first = min(self.lost)  # every rank here was lost: nothing of the job survived on this node
+            return _Failure(self.rank(first), self.lost[first])
         return None
+
+    def _lose(self, local_rank: int) -> None:
+        """``--recover``: a rank exited non-zero; the others train on without it (they regroup)."""
+        code = self.returncodes[local_rank]
+        self.lost[local_rank] = code
+        self.stopped_since.pop(local_rank, None)
+        left = self.world_size - len(self.lost)
+        running = len(self.procs) - len(self.returncodes)
+        lost = f"{_describe(self.rank(local_rank), code)}: rank {self.rank(local_rank)} was lost"
+        if running:
+            lost += f"; --recover: the job continues without it at world size {left}"
+        self.relay.note(lost)
+
+    def _kill_stopped(self, stopped: _Failure) -> None:
+        """``--recover``: a rank left stopped holds its peers up until their collective timeout; kill
+        it, so that they regroup without it at once (its exit is then a loss like any other)."""
+        local_rank = stopped.rank - self.rank_offset
+        self.relay.note(f"{stopped.describe()}; --recover: killing it so the others regroup without it")
+        self.stopped_since.pop(local_rank, None)
+        signal_group(self.procs[local_rank].pid, signal.SIGKILL)
+        signal_group(self.procs[local_rank].pid, signal.SIGCONT)
 
     def _stop(self, signum: int, *, wait_first: bool = False) -> None:
         """Send ``signum`` to every rank's process group (SIGCONT too, so a stopped rank receives it),

@@ -31,7 +31,8 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -67,6 +68,12 @@ def default_init_timeout() -> float:
 def default_collective_timeout() -> float:
     """Seconds a collective may block before it fails (``SPREAD_COLLECTIVE_TIMEOUT``, default 300)."""
     return _env_seconds(env.COLLECTIVE_TIMEOUT, 300.0)
+
+
+def regroup_timeout() -> float:
+    """Seconds survivors of a lost rank wait for each other at a regroup (``SPREAD_REGROUP_TIMEOUT``,
+    default 30): a live rank that has not noticed the loss by then is left out."""
+    return _env_seconds(env.REGROUP_TIMEOUT, 30.0)
 
 
 def _proof(token: str, nonce: str) -> str:
@@ -147,6 +154,11 @@ class Rendezvous:
     backend: str
     _tcp_store: dist.TCPStore | None = None
     _owns_group: bool = True
+    _keys: _SealedKeys | None = None  # the job's sealed keys (membership at a regroup)
+    _job_store: dist.Store | None = None  # the attempt's job store (every generation's keys under it)
+    generation: int = 0  # regroups survived: each generation's group lives under its own prefix
+    collective_timeout: float = 300.0
+    members: tuple[int, ...] = ()  # after a regroup: the old ranks that form this group, in order
 
     @property
     def rank(self) -> int:
@@ -161,6 +173,84 @@ class Rendezvous:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+    def regroup(self, gone: Callable[[], Iterable[int]], timeout: float) -> Rendezvous:
+        """Form the next generation's group of the ranks still alive (recovery without restart).
+
+        The current group must be destroyed already (:meth:`close`). Survivors agree on membership
+        through the store, never a collective (the group is broken): each posts itself under the
+        next generation; the first survivor to see every rank either posted or in ``gone()`` (ranks
+        known to have exited), or ``timeout`` seconds pass, writes the member list with a
+        compare-and-set, and every survivor reads that one list. A rank not on it (it came too late)
+        raises :class:`RendezvousError`. New ranks follow the old ranks' order; the group lives
+        under a prefix of its own, so no key of the broken group is read again.
+        """
+        if self._keys is None or self._job_store is None:
+            raise RendezvousError(
+                f"rank {self.rank}: cannot regroup a process group this rendezvous did not create"
+            )
+        generation = self.generation + 1
+        old_rank, old_world = self.spec.rank, self.spec.world_size
+        keys, scope = self._keys, f"regroup/{generation}"
+        try:
+            members = _agree_on_members(keys, scope, old_rank, old_world, gone, timeout)
+            if old_rank not in members:
+                raise RendezvousError(
+                    f"rank {old_rank}: left out of the job's regroup {generation}: the survivors "
+                    f"{members} closed the membership before this rank arrived (within {timeout:.0f}s)"
+                )
+            new_rank = members.index(old_rank)
+            store = dist.PrefixStore(scope, self._job_store)
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore("pg", store),
+                rank=new_rank,
+                world_size=len(members),
+                timeout=timedelta(seconds=self.collective_timeout),
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            if isinstance(exc, RendezvousError):
+                raise
+            raise RendezvousError(
+                f"rank {old_rank}: regroup {generation} failed with the store at {self.spec.master_addr}:"
+                f"{self.spec.master_port} (recovery needs a store that outlives the ranks: spread run's or "
+                f"torchrun's): {exc}"
+            ) from exc
+        spec = replace(self.spec, rank=new_rank, world_size=len(members))
+        return Rendezvous(
+            spec=spec,
+            store=store,
+            backend=self.backend,
+            _tcp_store=self._tcp_store,
+            _keys=keys,
+            _job_store=self._job_store,
+            generation=generation,
+            collective_timeout=self.collective_timeout,
+            members=tuple(members),
+        )
+
+
+def _agree_on_members(
+    keys: _SealedKeys,
+    scope: str,
+    rank: int,
+    world_size: int,
+    gone: Callable[[], Iterable[int]],
+    timeout: float,
+) -> list[int]:
+    """The ranks of the next generation, the same list on every survivor (see :meth:`Rendezvous.regroup`)."""
+    keys.set(f"{scope}/alive/{rank}", str(os.getpid()))
+    decision = f"{scope}/members"
+    deadline = time.monotonic() + timeout
+    while (members := keys.read(decision)) is None:
+        posted = [r for r in range(world_size) if keys.read(f"{scope}/alive/{r}") is not None]
+        dead = set(gone())
+        if all(r in dead or r in posted for r in range(world_size)) or time.monotonic() >= deadline:
+            payload = json.dumps(posted)
+            keys.store.compare_set(decision, "", f"{keys._seal(decision, payload)} {payload}")
+            continue  # read back what was decided (another survivor's list if it came first)
+        time.sleep(0.02)
+    return [int(r) for r in json.loads(members)]
 
 
 def _attempt_scope(restart_count: int) -> str:
@@ -382,4 +472,13 @@ def rendezvous(
             f"rank {spec.rank}: rendezvous failed during {phase} with the store at "
             f"{spec.master_addr}:{spec.master_port} (did rank 0 or another rank exit?): {detail}"
         ) from exc
-    return Rendezvous(spec=spec, store=job_store, backend=backend, _tcp_store=tcp)
+    return Rendezvous(
+        spec=spec,
+        store=job_store,
+        backend=backend,
+        _tcp_store=tcp,
+        _keys=keys,
+        _job_store=job_store,
+        collective_timeout=collective_timeout,
+        members=tuple(range(spec.world_size)),
+    )

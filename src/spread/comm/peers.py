@@ -51,6 +51,12 @@ def _exited(pid: int) -> bool:
         return False
 
 
+def on_this_host(rank: int) -> bool:
+    """Whether the recorded ``rank`` ran on this machine."""
+    recorded = _job_processes.get(rank)
+    return recorded is not None and recorded[0] == host_digest()
+
+
 def describe_gone() -> str:
     """``"rank 1 (pid 4242), ..."`` for the ranks on this host that exited; "" when none did."""
     return ", ".join(f"rank {rank} (pid {pid})" for rank, pid in gone_ranks())

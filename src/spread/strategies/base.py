@@ -501,6 +501,36 @@ class Strategy(abc.ABC):
         parameter servers, whose tasks step on their own."""
         return True
 
+    # -- recovery without restart (spread run --recover) --------------------------------------------
+    def check_recoverable(self) -> None:
+        """Raise :class:`~spread.errors.SpreadError` naming why this strategy's survivors cannot go on
+        after a lost rank (:meth:`regroup`). Default: they cannot; MultiWorkerMirroredStrategy can."""
+        raise SpreadError(
+            f"{type(self).__name__} cannot recover without restart (spread run --recover, SPREAD_RECOVER=1): "
+            f"only MultiWorkerMirroredStrategy regroups its surviving ranks so far. Run without --recover "
+            f"(--max-restarts with BackupAndRestore restarts every rank from the last backup)"
+        )
+
+    def regroup(self) -> None:
+        """After a lost peer: form a new group of the surviving ranks at the smaller world size (the
+        data layout and the gradient exchange follow it). Collective over the survivors."""
+        self.check_recoverable()
+
+    @property
+    def recovery_progress(self) -> tuple[int, int]:
+        """``(optimizer steps applied, of those with buffers averaged)`` by this process: after a
+        regroup the survivors take the state of the one that got furthest."""
+        return (0, 0)
+
+    def broadcast_training_state(self, src: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """Make the model's and ``optimizer``'s state those of rank ``src`` on every rank."""
+        self.check_recoverable()
+
+    def broadcast_object(self, value: Any, src: int) -> Any:
+        """``value`` of rank ``src`` (pickled) on every rank."""
+        self.check_recoverable()
+        return value
+
     def _state_layout(self) -> StateLayout:
         """How this strategy lays out models and optimizers in a checkpoint (the one-device layout
         by default); strategies that split state return their own."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from spread.cluster import ClusterSpec, resolve_cluster
-from spread.cluster.rendezvous import Rendezvous
+from spread.cluster.rendezvous import Rendezvous, regroup_timeout
 from spread.cluster.threads import share_cores
 from spread.comm import DEFAULT_BUCKET_CAP_MB, Collectives, GradientReducer
 from spread.comm.algorithms import ALGORITHM_NAMES, AllReduceAlgorithm, make_algorithm
@@ -41,7 +42,7 @@ from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.flight import start_watch, stop_watch
 from spread.comm.ops import destroy_group
-from spread.comm.peers import record_job_processes
+from spread.comm.peers import gone_ranks, on_this_host, record_job_processes
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
 from spread.memory.report import MemoryReport
@@ -110,33 +111,110 @@ class MultiWorkerMirroredStrategy(Strategy):
         rendezvous: Rendezvous | None = join_process_group(
             self.cluster, self._device, init_timeout=init_timeout, collective_timeout=collective_timeout
         )
+        if rendezvous is None and dist.get_world_size() != self.cluster.world_size:
+            raise SpreadError(
+                f"the existing process group has {dist.get_world_size()} ranks but the cluster spec "
+                f"says {self.cluster.world_size}"
+            )
+        self._rendezvous = rendezvous
+        self._reducer: GradientReducer | None = None
+        self._join(rendezvous)
+        self._batchnorm = BatchNormReplicas(self, self._make_statistics_sum(), shared_module=False)
+        self._buffers: BufferAverager | None = None
+        self._buffers_stale = False  # new buffers were adopted since self._buffers was built
+        self._buffer_weight = 1.0 / self.collectives.world_size  # this rank's share of the last step
+        # Optimizer steps applied to the managed parameters, and of those, steps whose buffers were
+        # averaged: after a lost peer the survivors take the state of whoever got furthest.
+        self.steps_applied = 0
+        self.steps_with_buffers = 0
+        self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    def _join(self, rendezvous: Rendezvous | None) -> None:
+        """What is bound to the process group: collectives, the flight watch, the algorithm."""
         self._resources.owner = f"MultiWorkerMirroredStrategy rank {self.cluster.rank}"
         if rendezvous is not None:  # ours to destroy (released last); a group the script made is not
             self._resources.push(rendezvous.close)
         try:
-            if rendezvous is None and dist.get_world_size() != self.cluster.world_size:
-                raise SpreadError(
-                    f"the existing process group has {dist.get_world_size()} ranks but the cluster spec "
-                    f"says {self.cluster.world_size}"
-                )
             self.collectives = Collectives(device=self._device)
             record_job_processes(self.collectives)  # a lost peer is then named by rank
             if rendezvous is not None and self.cluster.world_size > 1:  # a hang names who it waits for
                 start_watch(rendezvous.store, self.cluster.rank, self.cluster.world_size)
                 self._resources.push(stop_watch)
-            self._reducer: GradientReducer | None = None
             self.algorithm: AllReduceAlgorithm = make_algorithm(
-                communication, self.collectives, local_world_size=self.cluster.local_world_size
+                self.communication, self.collectives, local_world_size=self.cluster.local_world_size
             )
             self._resources.push(self.algorithm.close)  # its threads and subgroups go before the group
-            self._batchnorm = BatchNormReplicas(self, self._make_statistics_sum(), shared_module=False)
         except BaseException:
             self._resources.release()
             raise
-        self._buffers: BufferAverager | None = None
-        self._buffers_stale = False  # new buffers were adopted since self._buffers was built
-        self._buffer_weight = 1.0 / self.collectives.world_size  # this rank's share of the last step
-        self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    # -- recovery without restart ------------------------------------------------------------------
+    def check_recoverable(self) -> None:
+        if self._rendezvous is None:
+            raise SpreadError(
+                "recovery without restart (spread run --recover) needs the process group made by "
+                "MultiWorkerMirroredStrategy itself, not one the script initialised"
+            )
+        if self.sync_batchnorm:
+            raise SpreadError(
+                "recovery without restart (spread run --recover) does not support sync_batchnorm=True yet"
+            )
+
+    def regroup(self) -> None:
+        """Continue with the ranks still alive after a peer was lost: tear down what was bound to the
+        broken group, agree on the survivors through the store, form the next group (new ranks in the
+        old ranks' order) and rebuild the gradient exchange over it. Model and optimizer state are
+        left as they are: the caller makes them consistent (:meth:`broadcast_training_state`)."""
+        self.check_recoverable()
+        assert self._rendezvous is not None
+        old = self._rendezvous
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+        self.collectives.close()
+        self._resources.release()  # the algorithm, the flight watch, then the broken group
+        self._rendezvous = old.regroup(lambda: [rank for rank, _ in gone_ranks(wait=0.0)], regroup_timeout())
+        members = self._rendezvous.members
+        left_here = sum(1 for r in range(old.world_size) if r not in members and on_this_host(r))
+        self.cluster = replace(
+            self.cluster,
+            rank=self._rendezvous.rank,
+            world_size=self._rendezvous.world_size,
+            local_world_size=max(1, self.cluster.local_world_size - left_here),
+        )
+        self._join(self._rendezvous)
+        self._buffer_weight = 1.0 / self.collectives.world_size
+        if self.managed_parameters:
+            self._reducer = self._make_reducer()
+        self._buffers_stale = True
+        self._on_new_modules([])
+
+    @property
+    def recovery_progress(self) -> tuple[int, int]:
+        return (self.steps_applied, self.steps_with_buffers)
+
+    def broadcast_training_state(self, src: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """Make every rank's model (parameters and buffers) and ``optimizer`` state those of rank
+        ``src`` (after a regroup: the survivor that applied the most optimizer steps)."""
+        tensors = [*self._managed.values(), *self._managed_buffers.values()]
+        with torch.no_grad():
+            self.collectives.broadcast_tensors(tensors, src=src, name="recover_weights")
+        if optimizer is not None:
+            state = self.broadcast_object(optimizer.state_dict() if self.rank == src else None, src)
+            if self.rank != src:
+                optimizer.load_state_dict(state)
+        counts = torch.tensor([self.steps_applied, self.steps_with_buffers], dtype=torch.int64)
+        self.collectives.broadcast(counts.to(self._device), src=src, name="recover_step_counts")
+        self.steps_applied, self.steps_with_buffers = (int(c) for c in counts.tolist())
+
+    def broadcast_object(self, value: Any, src: int) -> Any:
+        """``value`` of rank ``src`` on every rank (pickled; small bookkeeping, never tensors in bulk)."""
+        payload = [value if self.rank == src else None]
+        dist.broadcast_object_list(payload, src=src, device=self._object_device())
+        return payload[0]
+
+    def _object_device(self) -> torch.device | None:
+        return self._device if self._device.type == "cuda" else None
 
     def _cluster_spec(self) -> ClusterSpec:
         return self.cluster
@@ -193,7 +271,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._buffers_stale = True
         if self._reducer is not None:
             self._reducer.close()
-        self._reducer = GradientReducer(
+        self._reducer = self._make_reducer()
+
+    def _make_reducer(self) -> GradientReducer:
+        return GradientReducer(
             self.managed_parameters,
             self.collectives,
             bucket_cap_mb=self.bucket_cap_mb,
@@ -216,10 +297,13 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Average the buffers after a step of an optimizer over this strategy's parameters."""
-        if self._buffers is None or self._closed:
+        if self._closed:
             return
         if any(id(p) in self._managed for group in optimizer.param_groups for p in group["params"]):
-            self._buffers.sync(self._buffer_weight)
+            self.steps_applied += 1
+            if self._buffers is not None:
+                self._buffers.sync(self._buffer_weight)
+            self.steps_with_buffers += 1
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

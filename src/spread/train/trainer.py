@@ -44,6 +44,7 @@ from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 from spread.train.out_of_memory import explained_out_of_memory
 from spread.train.outputs import loss_of, prediction_of
 from spread.train.precision import Precision, check_precision
+from spread.train.recovery import PEER_FAILURES, recover, recovery_requested
 from spread.train.stragglers import StragglerWatch
 from spread.train.timeline import merge_traces, rank_traces
 from spread.train.tracing import StepTracer, TraceWindow
@@ -176,6 +177,7 @@ class Trainer:
         self._starting = False  # inside the callbacks' on_train_begin
         self._pending_callback_states: dict[str, Any] | None = None  # restored, not yet given back
         self._class_weights: torch.Tensor | None = None  # the running fit's class_weight table
+        self._step_packed: torch.Tensor | None = None  # the last step's summed statistics
         self.stragglers: StragglerWatch | None = None  # the running (or last) fit's straggler watch
         self._trace_window = TraceWindow.of(profile)  # None: no tracing (nor spread run --trace)
         self._tracer: StepTracer | None = None
@@ -351,9 +353,16 @@ class Trainer:
                 callbacks=callbacks,
                 verbose=verbose,
             )
-        train = self.strategy.distribute_dataset(
-            train_data, global_batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
-        )
+
+        def distribute() -> DistributedDataset:
+            return self.strategy.distribute_dataset(
+                train_data, global_batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
+            )
+
+        recovering = recovery_requested()
+        if recovering:
+            self.strategy.check_recoverable()
+        train = distribute()
         steps = len(train) if hasattr(train.dataset, "__len__") else None
         if steps_per_epoch is not None:
             if steps is not None and steps_per_epoch > steps:
@@ -378,6 +387,7 @@ class Trainer:
                 steps_per_epoch=steps_per_epoch,
                 validation_data=validation_data,
                 validation_batch_size=validation_batch_size or global_batch_size,
+                redistribute=distribute if recovering else None,
             )
             if tracer is not None:
                 self._finish_trace(tracer)
@@ -480,8 +490,11 @@ class Trainer:
         steps_per_epoch: int | None,
         validation_data: Any,
         validation_batch_size: int,
+        redistribute: Callable[[], DistributedDataset] | None = None,
     ) -> History:
-        """``fit``'s loop over epochs and steps (``fit`` prepares and cleans up around it)."""
+        """``fit``'s loop over epochs and steps (``fit`` prepares and cleans up around it). With
+        ``redistribute`` (recovery without restart), a lost peer regroups the survivors, which
+        continue with the training data ``redistribute()`` splits over the new group."""
         self._starting = True  # BackupAndRestore restores in its on_train_begin
         try:
             cbs.call("on_train_begin", {})
@@ -495,13 +508,18 @@ class Trainer:
         logs: dict[str, float] = {}
         comparable = self.strategy.exchange_seconds is not None  # ranks doing alike work, several processes
         watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
-        for epoch in range(resume["epoch"] if resume else initial_epoch, epochs):
+        recovering = redistribute is not None
+        epoch = resume["epoch"] if resume else initial_epoch
+        regrouped = False  # re-entering an epoch after a lost peer (recovery without restart)
+        epoch_started = time.perf_counter()
+        while epoch < epochs:
             self.epoch = epoch
             self.model.train()
-            cbs.call("on_epoch_begin", epoch, {})
+            if not regrouped:
+                cbs.call("on_epoch_begin", epoch, {})
+                train.wait_clock.reset()
+                epoch_started = time.perf_counter()
             train.set_epoch(epoch)
-            train.wait_clock.reset()
-            epoch_started = time.perf_counter()
             sums = self.running_sums = RunningSums(list(self.metrics))
             first_step = 0
             if resume and epoch == resume["epoch"]:  # continue exactly after the last saved batch
@@ -509,22 +527,46 @@ class Trainer:
                 train.load_state_dict({"epoch": epoch, "batch": first_step})
                 sums.totals = resume["sums"].clone()
             has_validation = validation_data is not None
-            if first_step == 0:  # a resumed epoch keeps the norms of its steps before the backup
+            if first_step == 0 and not regrouped:  # a resumed epoch keeps the norms of its steps before
                 self.grad_norm_sums.zero_()
+            regrouped = False
             waited = train.wait_clock.seconds
-            for step, batch in enumerate(train, start=first_step):
+            position = {"epoch": epoch, "batch": first_step, "sums": sums.totals.clone()}
+            lost: BaseException | None = None
+            batches = iter(train)
+            for step, batch in enumerate(batches, start=first_step):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 cbs.call("on_train_batch_begin", step, {})
                 started = time.perf_counter()
-                with record_function("spread.step"):
-                    packed, step_logs = self._train_step(batch)
+                applied, steps_before = self.strategy.recovery_progress[0], self.global_step
+                norms_before = self.grad_norm_sums.clone() if recovering else None
+                try:
+                    with record_function("spread.step"):
+                        packed, step_logs = self._train_step(batch)
+                except PEER_FAILURES as exc:
+                    if not recovering:
+                        raise
+                    lost = exc
+                    if self.strategy.recovery_progress[0] == applied:  # the step did not take: repeat it
+                        if norms_before is not None:
+                            self.grad_norm_sums = norms_before
+                        break
+                    # The weights took this step before the failure (in the buffers' averaging): keep it.
+                    assert self._step_packed is not None
+                    packed, step_logs = self._step_packed, {}
+                    self.global_step = steps_before + 1
                 if self._tracer is not None:
                     self._tracer.step()
                 RECORDER.set_phase(f"callbacks or data loading after step {self.global_step}")
-                if watch is not None:  # collective every few steps: every rank steps alike
+                if watch is not None and lost is None:  # collective every few steps: every rank steps alike
                     now_waited = train.wait_clock.seconds
-                    watch.after_step(time.perf_counter() - started, now_waited - waited)
+                    try:
+                        watch.after_step(time.perf_counter() - started, now_waited - waited)
+                    except PEER_FAILURES as exc:
+                        if not recovering:
+                            raise
+                        lost = exc
                     waited = now_waited
                 sums.add(packed)
                 batch_logs = {**sums.results(), **step_logs, **self._lr_logs()}
@@ -532,7 +574,24 @@ class Trainer:
                 if self.lr_schedule is not None and step_logs.get("stepped", True):
                     self.lr_schedule.after_optimizer_step(batch_logs, has_validation)
                 batch_logs.pop("stepped", None)
-                cbs.call("on_train_batch_end", step, batch_logs)
+                position = {"epoch": epoch, "batch": step + 1, "sums": sums.totals.clone()}
+                if lost is not None:
+                    break
+                try:
+                    cbs.call("on_train_batch_end", step, batch_logs)
+                except PEER_FAILURES as exc:
+                    if not recovering:
+                        raise
+                    lost = exc
+                    break
+            if lost is not None:
+                assert redistribute is not None
+                batches.close()  # type: ignore[attr-defined]  # its reading thread stops now
+                resume = self._recover(position, lost)
+                epoch, regrouped = resume["epoch"], True
+                train = self.train_dataset = redistribute()
+                watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
+                continue
             self.data_wait_fraction = train.wait_clock.seconds / max(
                 time.perf_counter() - epoch_started, 1e-9
             )
@@ -548,6 +607,7 @@ class Trainer:
             cbs.call("on_epoch_end", epoch, logs)
             if self.stop_training:
                 break
+            epoch += 1
         self.strategy.refresh_weights()  # parameter servers: the model leaves fit holding their values
         summary = watch.summary() if watch is not None else None
         if summary is not None:
@@ -563,6 +623,7 @@ class Trainer:
         with explained_out_of_memory(self.strategy, self.optimizer):
             voted = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics..., votes]
         packed, self.stop_voted = voted[:-1], bool(voted[-1].item() > 0)
+        self._step_packed = packed  # kept for a step whose weights changed before a lost peer
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
             return self._drop_step(packed, f"non-finite loss ({loss_sum})")
@@ -587,6 +648,26 @@ class Trainer:
             self.scaler_skipped_steps += 1
         self.global_step += 1
         return packed, step_logs
+
+    def _recover(self, position: dict[str, Any], cause: BaseException) -> dict[str, Any]:
+        """Regroup after a lost peer; every survivor takes the loop state of the one furthest ahead.
+        Returns where the epoch continues (``{"epoch", "batch", "sums"}``)."""
+        mine = {
+            **position,
+            "global_step": self.global_step,
+            "grad_norm_sums": self.grad_norm_sums.clone(),
+            "skipped_steps": self.skipped_steps,
+            **self.schedule_state_dict(),
+        }
+        agreed = recover(self, mine, cause)
+        self.global_step = int(agreed["global_step"])
+        self.grad_norm_sums = agreed["grad_norm_sums"].clone()
+        self.skipped_steps = int(agreed["skipped_steps"])
+        if self.lr_schedule is not None:
+            self.lr_schedule.load_state_dict(agreed["lr_scheduler"])
+        if "grad_scaler" in agreed:
+            self.precision.load_state_dict(agreed["grad_scaler"])
+        return {"epoch": int(agreed["epoch"]), "batch": int(agreed["batch"]), "sums": agreed["sums"]}
 
     def _drop_step(self, packed: torch.Tensor, what: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """``on_nonfinite``: raise before the weights change, or drop this step's update."""

@@ -1,0 +1,61 @@
+"""Recovery without restart inside ``Trainer.fit`` (``spread run --recover``, ``SPREAD_RECOVER=1``).
+
+When a peer is lost mid-step (it died, was preempted, or stayed stopped and was killed by
+``spread run``), every survivor's next collective fails. Each survivor then finishes what its own
+step already did (a survivor whose optimizer stepped before the failure keeps that step), the
+strategy regroups the survivors into a smaller group (:meth:`Strategy.regroup`, membership agreed
+through the store), and the state of the survivor that applied the most optimizer steps is broadcast
+to the others: model, optimizer, and the loop's position (epoch, batch, running sums, schedule). The
+step that was in flight is repeated at the new world size with the same global batch, so the
+weights stay those of the uninterrupted run. Nothing is reloaded from disk, no process restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from spread import env
+from spread.errors import CollectiveError, PeerFailedError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from spread.train.trainer import Trainer
+
+# What a lost peer looks like from a survivor: a collective that failed (connection closed, or no
+# answer before the deadline) or a peer that reported its own failure.
+PEER_FAILURES = (CollectiveError, PeerFailedError)
+
+
+def recovery_requested() -> bool:
+    """Whether the launcher asked the ranks to recover from a lost peer (``SPREAD_RECOVER=1``)."""
+    return os.environ.get(env.RECOVER, "") == "1"
+
+
+def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException) -> dict[str, Any]:
+    """Regroup the survivors and return the position (and loop state) every one of them continues
+    from: that of the survivor furthest ahead, whose model and optimizer state all ranks now hold."""
+    strategy = trainer.strategy
+    old_rank, old_world = strategy.rank, strategy.num_replicas_in_sync
+    strategy.regroup()
+    progress = torch.tensor([list(strategy.recovery_progress)], dtype=torch.int64, device=strategy.device)
+    rows = [tuple(row) for row in strategy.gather_from_every_rank(progress).cpu().tolist()]
+    src = max(range(len(rows)), key=lambda r: (rows[r], -r))  # furthest ahead; the first on ties
+    strategy.broadcast_training_state(src, trainer.optimizer)
+    agreed = strategy.broadcast_object(position, src)
+    if strategy.is_chief:
+        print(
+            f"spread: rank {old_rank} of {old_world}: {type(cause).__name__}: {_first_line(cause)}; "
+            f"regrouped at world size {strategy.num_replicas_in_sync} without restart; continuing at epoch "
+            f"{agreed['epoch'] + 1}, batch {agreed['batch']} (after {agreed['global_step']} optimizer steps)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return agreed
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
