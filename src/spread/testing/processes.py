@@ -57,16 +57,19 @@ class SpreadRun:
     result: Any  # the JSON after the first "RESULT " on stdout, or None
 
 
-def spread_run(script: Path, nproc: int, *args: str, timeout: float = 240.0) -> SpreadRun:
+def spread_run(
+    script: Path, nproc: int, *args: str, timeout: float = 240.0, flags: tuple[str, ...] = ()
+) -> SpreadRun:
     """Run ``spread run -n nproc script args...`` as a user would (no inherited rank variables,
     one intra-op thread per rank, a 20 s collective timeout), under a hard ``timeout`` (an idle
-    machine's: stretched by :func:`spread.testing.time_budget.time_scale`)."""
+    machine's: stretched by :func:`spread.testing.time_budget.time_scale`). ``flags`` go to
+    ``spread run`` itself (``--recover``)."""
     drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(OMP_NUM_THREADS="1", SPREAD_COLLECTIVE_TIMEOUT="20")
     spread_bin = str(Path(sys.executable).parent / "spread")
     out = subprocess.run(
-        [spread_bin, "run", "-n", str(nproc), str(script), *args],
+        [spread_bin, "run", "-n", str(nproc), *flags, str(script), *args],
         capture_output=True,
         text=True,
         timeout=budget(timeout),

@@ -1,0 +1,63 @@
+"""A MultiWorkerMirrored fit for recovery without restart: ``VICTIM`` (a rank, or -1) hurts itself
+before optimizer step ``AT`` (``MODE``: kill = SIGKILL, stop = SIGSTOP, term = SIGTERM, or
+mid-backward kill: ``backward``); every rank that finishes prints ``RESULT <json>`` with its pid,
+the final world size and weights."""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+import spread
+from spread.train.callbacks import Callback
+
+VICTIM, AT, MODE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "backward": signal.SIGKILL}
+START_RANK, PID = int(os.environ["RANK"]), os.getpid()
+
+
+class Hurt(Callback):
+    def on_train_batch_begin(self, step, logs=None):
+        if START_RANK == VICTIM and self.trainer.global_step == AT and MODE != "backward":
+            os.kill(PID, SIGNALS[MODE])
+
+
+strategy = spread.MultiWorkerMirroredStrategy()
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(120, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
+with strategy.scope():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+trainer = spread.Trainer(
+    model,
+    optimizer,
+    nn.CrossEntropyLoss(),
+    strategy=strategy,
+    callbacks=[Hurt()],
+    lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+    scheduler_interval="step",
+    clip_grad_norm=1.0,
+)
+if MODE == "backward" and START_RANK == VICTIM:  # dies in backward, its peers mid-all-reduce
+
+    def die(grad):
+        if trainer.global_step == AT:
+            os.kill(PID, signal.SIGKILL)
+        return grad
+
+    model[0].weight.register_hook(die)
+history = trainer.fit((x, y), epochs=2, global_batch_size=12, verbose=0)
+result = {
+    "start_rank": START_RANK,
+    "pid": PID,
+    "world_size": strategy.num_replicas_in_sync,
+    "global_step": trainer.global_step,
+    "loss": history.history["loss"],
+    "weights": {k: v.tolist() for k, v in model.state_dict().items()},
+}
+print("RESULT " + json.dumps(result), flush=True)
+strategy.close()

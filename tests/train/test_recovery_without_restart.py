@@ -1,0 +1,51 @@
+"""Recovery without restart (``spread run --recover``): a MultiWorkerMirrored ``Trainer.fit`` of 3
+ranks loses rank 2 (SIGKILL before a step, SIGKILL mid-backward while its peers are in the gradient
+all-reduce, SIGSTOP, preemption by SIGTERM); the two survivors regroup in place, without restarting
+or reloading anything, repeat the step in flight with the same global batch and end with the weights
+of the uninterrupted 3-rank run. Strategies that cannot regroup are refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from spread.testing.processes import spread_run
+
+SCRIPT = Path(__file__).parent / "scripts" / "recover_train.py"
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # the same sums, split and added in another order
+
+
+def _results(log: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    run = spread_run(SCRIPT, 3, "-1", "0", "kill")
+    assert run.returncode == 0, run.log
+    results = _results(run.log)
+    assert len(results) == 3 and {r["world_size"] for r in results} == {3}
+    return results[0]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mode", ["kill", "backward", "stop", "term"])
+def test_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(uninterrupted, mode):
+    run = spread_run(SCRIPT, 3, "2", "5", mode, flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert "rank 2 was lost; --recover: the job continues without it at world size 2" in run.log
+    assert "regrouped at world size 2 without restart" in run.log
+    assert "restarting" not in run.log
+    results = _results(run.log)
+    assert sorted(r["start_rank"] for r in results) == [0, 1], run.log
+    assert len({r["pid"] for r in results}) == 2  # each survivor is the process that started
+    for result in results:
+        assert result["world_size"] == 2
+        assert result["global_step"] == uninterrupted["global_step"]
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(
+                torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
+            )
