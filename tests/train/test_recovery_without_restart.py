@@ -49,3 +49,39 @@ def test_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(uninterr
             torch.testing.assert_close(
                 torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
             )
+
+
+@pytest.mark.parametrize("name", ["PipelineStrategy", "ShardedStrategy", "ParameterServerStrategy"])
+def test_strategies_that_cannot_regroup_are_refused_by_name(name):
+    import spread
+    from spread.errors import SpreadError
+
+    cls = getattr(spread, name)
+    with pytest.raises(SpreadError, match=f"{name} cannot recover without restart"):
+        cls.check_recoverable(object.__new__(cls))
+
+
+def test_fit_under_spread_run_recover_refuses_a_strategy_that_cannot_regroup(monkeypatch):
+    import spread
+    from spread.errors import SpreadError
+
+    monkeypatch.setenv("SPREAD_RECOVER", "1")
+    model = torch.nn.Linear(2, 1)
+    trainer = spread.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.MSELoss(),
+        strategy=spread.OneDeviceStrategy("cpu"),
+    )
+    with pytest.raises(SpreadError, match="OneDeviceStrategy cannot recover without restart"):
+        trainer.fit((torch.randn(4, 2), torch.randn(4, 1)), epochs=1, global_batch_size=2, verbose=0)
+    assert trainer.global_step == 0
+
+
+def test_recover_is_refused_for_a_parameter_server_job():
+    from spread.cluster.launcher import LaunchConfig
+
+    with pytest.raises(ValueError, match=r"recover.*not supported for a parameter-server job"):
+        LaunchConfig(entrypoint="train.py", workers=1, ps=1, recover=True)
+    with pytest.raises(ValueError, match=r"recover.*must be True or False"):
+        LaunchConfig(entrypoint="train.py", recover="yes")  # type: ignore[arg-type]

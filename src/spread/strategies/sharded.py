@@ -73,7 +73,7 @@ from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
 from spread.errors import SpreadError
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
-from spread.strategies.base import replica_weights
+from spread.strategies.base import Strategy, replica_weights
 from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
@@ -529,6 +529,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             optimizer_state_bytes=state,
             activation_bytes=self._activation_bytes,
         )
+
+    def check_recoverable(self) -> None:
+        """Refused: each rank holds its own shard of the state, so a lost rank's shard would have to be
+        rebuilt from the survivors (not done yet): restart from a backup instead."""
+        Strategy.check_recoverable(self)
 
     def close(self) -> None:
         self._pre_step_hook.remove()
