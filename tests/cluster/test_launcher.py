@@ -292,6 +292,39 @@ def test_first_failure_stops_the_others_and_wins(tmp_path: Path, capfd: pytest.C
 
 
 @pytest.mark.processes
+def test_with_recover_a_lost_rank_leaves_the_others_running_and_the_job_succeeds(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        assert os.environ["SPREAD_RECOVER"] == "1"
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        if os.environ["RANK"] == "2":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(5)
+        print("survived", flush=True)
+    """,
+    )
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=3, recover=True, kill_grace=1)) == 0
+    out, err = capfd.readouterr()
+    assert (
+        "rank 1 exited with code 3: rank 1 was lost; --recover: the job continues without it at world size 2"
+        in err
+    )
+    assert "rank 2 stayed stopped (SIGSTOP)" in err and "killing it so the others regroup without it" in err
+    assert "world size 1" in err
+    assert out.count("survived") == 1
+
+
+@pytest.mark.processes
+def test_with_recover_a_job_whose_every_rank_is_lost_fails(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sys.exit(4)")
+    assert launch(LaunchConfig(entrypoint=str(script), nproc=2, recover=True, kill_grace=1)) == 4
+
+
+@pytest.mark.processes
 def test_grandchildren_die_with_their_rank(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(
         tmp_path,
