@@ -527,7 +527,8 @@ class Strategy(abc.ABC):
         self.check_recoverable()
 
     def broadcast_object(self, value: Any, src: int) -> Any:
-        """``value`` of rank ``src`` (pickled) on every rank."""
+        """``value`` of rank ``src`` on every rank (dicts, lists, tuples, scalars, strings, tensors;
+        never pickled)."""
         self.check_recoverable()
         return value
 

@@ -43,6 +43,7 @@ from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.flight import start_watch, stop_watch
 from spread.comm.ops import destroy_group
 from spread.comm.peers import gone_ranks, on_this_host, record_job_processes
+from spread.comm.structure import broadcast_structure
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
 from spread.memory.report import MemoryReport
@@ -208,13 +209,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.steps_applied, self.steps_with_buffers = (int(c) for c in counts.tolist())
 
     def broadcast_object(self, value: Any, src: int) -> Any:
-        """``value`` of rank ``src`` on every rank (pickled; small bookkeeping, never tensors in bulk)."""
-        payload = [value if self.rank == src else None]
-        dist.broadcast_object_list(payload, src=src, device=self._object_device())
-        return payload[0]
-
-    def _object_device(self) -> torch.device | None:
-        return self._device if self._device.type == "cuda" else None
+        """``value`` of rank ``src`` on every rank: JSON and tensors, never a pickle
+        (:func:`spread.comm.structure.broadcast_structure`)."""
+        return broadcast_structure(self.collectives, value, src=src, name="recover_state")
 
     def _cluster_spec(self) -> ClusterSpec:
         return self.cluster
