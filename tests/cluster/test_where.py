@@ -152,3 +152,64 @@ def test_a_rank_left_stopped_is_reported_with_where_every_rank_was(
     assert "where each rank is at " in err and "(rank 1 stayed stopped (SIGSTOP) for 3." in err
     assert "rank 1 never entered gradient_exchange #" in err, err
     assert err.index("rank 1 never entered") < err.index("stopped the other 1 process(es)")
+
+
+_LOSE_ONE_THEN_HANG = """
+import os, sys, time
+import torch
+from torch import nn
+import spread
+
+strategy = spread.MultiWorkerMirroredStrategy(communication="native")
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3 and os.environ["RANK"] == "2":
+            os._exit(1)  # lost: the others regroup without it
+        if self.calls == 6 and os.environ["RANK"] == "1":
+            time.sleep(60)
+        return self.linear(x)
+
+with strategy.scope():
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy)
+trainer.fit((torch.randn(120, 8), torch.randint(0, 2, (120,))), epochs=1, global_batch_size=12, verbose=0)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(150)
+def test_dump_after_a_recovery_reports_the_regrouped_ranks(tmp_path: Path, private_reports: Path) -> None:
+    script = tmp_path / "fit.py"
+    script.write_text(textwrap.dedent(_LOSE_ONE_THEN_HANG))
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), SPREAD_HANG_REPORT_AFTER="300")
+    command = [sys.executable, "-m", "spread.cli.main", "run", "--recover", "-n", "3", str(script)]
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _launcher_of(job, private_reports / f"where-{job.pid}.txt")
+        report: list[str] = []
+        deadline = time.monotonic() + 90
+        while "never entered" not in "".join(report):
+            assert time.monotonic() < deadline, report
+            time.sleep(2)
+            asked = subprocess.run(
+                [sys.executable, "-m", "spread.cli.main", "run", "--dump", str(job.pid)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            report = asked.stdout.splitlines()
+        assert report[1] == "(the job regrouped after losing ranks: 2 of 3 go on, numbered anew)", report
+        assert len([line for line in report if line.startswith("rank ")]) == 2, report
+        assert "rank 1 never entered gradient_exchange #" in report[-1], report
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=30)

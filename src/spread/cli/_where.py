@@ -22,10 +22,14 @@ def main(argv: list[str]) -> int:
 
     host, port, attempt, world_size = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     try:
-        store = open_job_store(host, port, os.environ.get(env.JOB_TOKEN, ""), attempt, _CONNECT_TIMEOUT)
+        token = os.environ.get(env.JOB_TOKEN, "")
+        store, regrouped = open_job_store(host, port, token, attempt, _CONNECT_TIMEOUT)
     except (RuntimeError, ValueError) as exc:
         print(f"cannot read the job's store at {host}:{port}: {exc}".splitlines()[0])
         return 1
+    if regrouped is not None:  # recovered without restart: the survivors, renumbered
+        print(f"(the job regrouped after losing ranks: {regrouped} of {world_size} go on, numbered anew)")
+        world_size = regrouped
     for line in describe_job(read_records(store, world_size), world_size):
         print(line)
     return 0

@@ -257,11 +257,24 @@ def _attempt_scope(restart_count: int) -> str:
     return f"spread/{restart_count}"
 
 
-def open_job_store(host: str, port: int, token: str, restart_count: int, timeout: float) -> dist.Store:
-    """A client of a running job's store, seeing the keys its ranks see (for a reader outside the job,
-    such as ``spread run``'s report of where each rank is). Raises ``RuntimeError`` when unreachable."""
+def open_job_store(
+    host: str, port: int, token: str, restart_count: int, timeout: float
+) -> tuple[dist.Store, int | None]:
+    """A client of a running job's store, seeing the keys its ranks see now (for a reader outside the
+    job, such as ``spread run``'s report of where each rank is): the store of the job's latest group
+    (after recoveries, the last regroup's) and that group's size (``None``: the job's first group).
+    Raises ``RuntimeError`` when unreachable."""
     tcp = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
-    return dist.PrefixStore(_job_prefix(token), dist.PrefixStore(_attempt_scope(restart_count), tcp))
+    scope = _attempt_scope(restart_count)
+    job_store = dist.PrefixStore(_job_prefix(token), dist.PrefixStore(scope, tcp))
+    keys = _SealedKeys(job_store, token, scope)
+    store: dist.Store = job_store
+    world_size: int | None = None
+    generation = 1
+    while (members := keys.read(f"regroup/{generation}/members")) is not None:
+        store, world_size = dist.PrefixStore(f"regroup/{generation}", job_store), len(json.loads(members))
+        generation += 1
+    return store, world_size
 
 
 def _host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
