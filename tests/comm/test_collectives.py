@@ -38,6 +38,42 @@ def test_all_reduce_gather_broadcast():
         assert result["bcast"] == 1.0
 
 
+def _reduce_scatter_rows() -> dict:
+    strategy = spread.MultiWorkerMirroredStrategy()
+    try:
+        c = strategy.collectives
+        n, rank = c.world_size, c.rank
+        whole = torch.arange(n * 4, dtype=torch.float32) * (rank + 1)  # rank r's row: 4 values
+        row = torch.empty(4)
+        c.reduce_scatter(row, whole.clone())
+        pending_row = torch.full((4,), -1.0)
+        pending = c.reduce_scatter_async(pending_row, whole.clone())
+        pending.wait()
+        gathered = torch.empty(n * 4)
+        c.all_gather_into(gathered, row)
+        return {
+            "row": row.tolist(),
+            "async": pending_row.tolist(),
+            "gathered": gathered.tolist(),
+            "rank": rank,
+        }
+    finally:
+        strategy.close()
+
+
+def test_reduce_scatter_gives_each_rank_the_sum_of_its_row_sync_and_async():
+    """On gloo both run as an all-reduce in place and a copy of the rank's row (gloo's own
+    reduce-scatter copies the whole input); the result is the reduce-scatter's."""
+    n = 3
+    scale = sum(r + 1 for r in range(n))
+    for result in run_ranks(_reduce_scatter_rows, n, timeout=60):
+        r = result["rank"]
+        expected = [float(v * scale) for v in range(r * 4, (r + 1) * 4)]
+        assert result["row"] == expected
+        assert result["async"] == expected
+        assert result["gathered"] == [float(v * scale) for v in range(n * 4)]
+
+
 def _broadcast_in_runs() -> list[list[float]]:
     strategy = spread.MultiWorkerMirroredStrategy()
     try:

@@ -394,11 +394,14 @@ def test_sharded_by_hand():
     assert (p.memory.parameters, p.memory.gradients, p.memory.optimizer) == (5 * MB, 5 * MB, 10 * MB)
     assert p.memory.buffers == pytest.approx(3 * 2.5 * MB)
     gradients = predict(Candidate("sharded", 2, (("shard", "gradients"),)), _profile(), _cluster(), options)
-    # Below "parameters" the full parameters stay beside the rank's shard copy the optimizer steps.
-    assert (gradients.memory.parameters, gradients.memory.gradients) == (15 * MB, 5 * MB)
+    # Below "parameters" the full parameters stay, the optimizer's shards are views of them.
+    assert (gradients.memory.parameters, gradients.memory.gradients) == (10 * MB, 5 * MB)
     assert gradients.parts["communication"] == pytest.approx(8 * 0.0125)  # one gather after the step
     optimizer = predict(Candidate("sharded", 2, (("shard", "optimizer"),)), _profile(), _cluster(), options)
-    assert (optimizer.memory.gradients, optimizer.memory.buffers) == (5 * MB, 10 * MB)  # + all-reduce buffer
+    # The all-reduced gradients stay whole (the shards' gradients are views of them); in flight: one
+    # block's packed gradients (the whole 10 MB model is one block under the 25 MB bucket cap).
+    assert (optimizer.memory.parameters, optimizer.memory.gradients) == (10 * MB, 10 * MB)
+    assert optimizer.memory.buffers == pytest.approx(10 * MB)
 
 
 def test_sharded_collectives_run_on_their_own_calibrated_link():
@@ -583,26 +586,26 @@ def test_the_profile_measures_the_split_backward_of_a_chain():
 
 def test_sharded_memory_terms_are_what_memory_report_measured_on_w2():
     # benchmarks/sharded_memory.py 2 and 4 (docs/architecture.md): W2, AdamW, model-state bytes of
-    # rank 0 after one step. P = 21,157,888 parameter bytes, AdamW state 2P.
+    # rank 0 after the last of 3 steps. P = 21,157,888 parameter bytes, AdamW state 2P.
     P = 21_157_888
     measured = {
-        (2, "optimizer"): 84_632_176,
-        (2, "gradients"): 63_474_080,
+        (2, "optimizer"): 63_474_080,
+        (2, "gradients"): 52_895_136,
         (2, "parameters"): 42_316_400,
-        (4, "optimizer"): 63_474_704,
-        (4, "gradients"): 42_316_192,
+        (4, "optimizer"): 52_895_136,
+        (4, "gradients"): 37_026_720,
         (4, "parameters"): 21_158_512,
     }
     for (n, shard), got in measured.items():
         m = sharded_memory(P, 2 * P, 0.0, 1, n=n, shard=shard, largest_unit_bytes=0.0)
-        kept = m.buffers if shard == "optimizer" else 0.0  # the all-reduce buffer memory_report counts
-        assert m.parameters + m.gradients + m.optimizer + kept == pytest.approx(got, rel=1e-4), (n, shard)
+        assert m.parameters + m.gradients + m.optimizer == pytest.approx(got, rel=1e-4), (n, shard)
 
 
 def test_sharding_is_recommended_when_only_it_fits():
     # 8 units of 1.25 MB. Data parallelism needs 50.2 MB per process (parameters, gradients, flat
-    # buffer, Adam, activations), sharded gradients 31.45 MB, sharded parameters 23.95 MB: with 25 MB
-    # only the last fits, and the reason says what would be faster.
+    # buffer, Adam, activations), sharded optimizer state 40.2 MB, sharded gradients 35.2 MB (one
+    # 10 MB block in flight), sharded parameters 23.95 MB: with 25 MB only the last fits, and the
+    # reason says what would be faster.
     layers = tuple(
         replace(layer, name=f"{i}", time_share=0.125, param_bytes=1.25 * MB)
         for i, layer in enumerate(_profile().layers * 2)

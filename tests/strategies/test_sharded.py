@@ -224,6 +224,39 @@ def test_memory_report_shrinks_with_each_stage():
         assert ratio < 1 / WORLD + 0.05, f"rank {rank}: shard='parameters' holds {ratio:.2f} of mirrored's"
 
 
+def _stages_one_and_two_memory() -> dict:
+    out = {}
+    owner = make_sharded("optimizer")
+    try:
+        out["optimizer"] = _memory_job(owner)
+        with make_sharded("gradients") as strategy:
+            out["gradients"] = _memory_job(strategy)
+        return out
+    finally:
+        owner.close()
+
+
+@pytest.mark.processes
+def test_stages_one_and_two_hold_no_more_than_their_peers():
+    """Model state per rank after an AdamW step, against what ZeRO-1 (torch's ZeroRedundancyOptimizer)
+    and ZeRO-2 hold: parameters whole (the optimizer's shards are views of them, no second copy);
+    gradients whole at stage 1 (the all-reduced buffer, once) and 1/N at stage 2; AdamW's moments
+    1/N. Beyond that, per parameter: its step count on every rank (as FSDP2 keeps it) and the
+    4-byte flag saying whether any rank produced a gradient."""
+    shapes = [(256, 64), (256,), (256, 256), (256,), (10, 256), (10,)]  # _memory_job's MLP
+    params = sum(torch.Size(s).numel() for s in shapes) * 4  # even sizes: no padding at 2 ranks
+    per_parameter = len(shapes) * (4 + 4)  # a float32 step count and a presence flag
+    moments = 2 * params // WORLD
+    bound = {
+        "optimizer": params + params + moments + per_parameter,
+        "gradients": params + params // WORLD + moments + per_parameter,
+    }
+    for rank, reports in enumerate(run_ranks(_stages_one_and_two_memory, WORLD, timeout=120)):
+        for stage, report in reports.items():
+            assert report["parameters"] == params, (rank, stage)  # the shards live inside them
+            assert report["model_state"] <= bound[stage], (rank, stage, report, bound[stage])
+
+
 class _Crash(Callback):
     """Every rank raises at the same global step: a crash after some backups were written."""
 

@@ -317,22 +317,15 @@ def sharded_memory(
     """Memory of one ShardedStrategy rank: the optimizer state is always split ``n`` ways; at
     ``"gradients"`` the gradients too, at ``"parameters"`` the parameters too. ``parameters``,
     ``gradients`` and ``optimizer`` are what :meth:`~spread.Strategy.memory_report` measures after a
-    step; ``buffers`` the transient: the kept all-reduce buffer (``"optimizer"``), one unit's packed
-    gradients in flight, and at ``"parameters"`` the gathered units (the one computing, the next
-    prefetched)."""
+    step; ``buffers`` the transient: one block's packed gradients in flight, and at ``"parameters"``
+    the gathered units (the one computing, the next prefetched)."""
     if shard not in ("optimizer", "gradients", "parameters"):
         raise ValueError(f"shard must be 'optimizer', 'gradients' or 'parameters', got {shard!r}")
-    # Below "parameters" the model keeps its full parameters and the optimizer steps this rank's
-    # shard copy of them; gradients end as shards at every stage ("optimizer" keeps the all-reduce
-    # buffer they are cut from).
-    params = param_bytes / n if shard == "parameters" else param_bytes + param_bytes / n
-    grads = param_bytes / n
-    if shard == "optimizer":
-        buffers = param_bytes
-    elif shard == "gradients":
-        buffers = largest_unit_bytes
-    else:
-        buffers = 3 * largest_unit_bytes
+    # Below "parameters" the optimizer's shards are views of the model's full parameters; at
+    # "optimizer" the gradients stay whole (the all-reduced buffer the shards' gradients view).
+    params = param_bytes / n if shard == "parameters" else param_bytes
+    grads = param_bytes if shard == "optimizer" else param_bytes / n
+    buffers = 3 * largest_unit_bytes if shard == "parameters" else largest_unit_bytes
     return MemoryBreakdown(
         parameters=params,
         gradients=grads,

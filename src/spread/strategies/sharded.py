@@ -8,8 +8,8 @@ distribution, buffer averaging and timeouts it reuses); what differs is who hold
 =================  ==========================  ===============================  ===================
 ``shard=``         parameters between steps     gradients after backward         optimizer state
 =================  ==========================  ===============================  ===================
-``"optimizer"``    full copy + own 1/N          full all-reduce buffer + 1/N     1/N
-``"gradients"``    full copy + own 1/N          1/N (reduce-scatter)             1/N
+``"optimizer"``    full                         full (all-reduced)               1/N
+``"gradients"``    full                         1/N (reduce-scatter)             1/N
 ``"parameters"``   1/N (gathered per unit)      1/N (reduce-scatter)             1/N
 =================  ==========================  ===============================  ===================
 
@@ -26,18 +26,23 @@ The optimizer steps the shards: :meth:`ShardedStrategy.prepare_optimizer` (``Tra
 custom loop's first ``optimizer.step()`` does it through a step pre-hook) replaces each managed
 parameter in the optimizer's groups by a 1-D parameter holding this rank's chunk, so the optimizer
 object, its param groups, hyperparameters and schedulers stay the user's, and its state covers the
-shard only. After each step the shards are all-gathered into the model (``"optimizer"``,
-``"gradients"``) or left to the next forward (``"parameters"``). This equals one device exactly for
-optimizers that update each element from that element's own state (SGD, momentum, Adam, AdamW,
-RMSprop, Adagrad, ...); ones that look across a tensor (LAMB's trust ratio, Adafactor, Shampoo,
-Muon) would see a chunk, not the tensor, and are not supported.
+shard only. Below ``"parameters"`` a shard is a view of its model parameter's own chunk (no second
+copy of the parameters); at ``"parameters"`` the shards are the only copy between steps. After
+each step the other ranks' chunks are all-gathered into the model (``"optimizer"``,
+``"gradients"``, a few blocks at a time) or left to the next forward (``"parameters"``). This equals
+one device exactly for optimizers that update each element from that element's own state (SGD,
+momentum, Adam, AdamW, RMSprop, Adagrad, ...); ones that look across a tensor (LAMB's trust ratio,
+Adafactor, Shampoo, Muon) would see a chunk, not the tensor, and are not supported.
 
-Gradients: each backward pass ends with ``.grad`` of the model's parameters gone (``None``) and
-the weighted sum over ranks of what it produced added to the shards' ``.grad`` (the same weights
-as MultiWorkerMirrored: each replica's share of the global batch, so uneven final batches equal one
-device). A parameter that got no gradient on any rank keeps its shard's ``grad is None`` (a flag per
-parameter travels with the reduction). Inside :meth:`no_sync` the model's ``.grad`` accumulate in
-full (as DDP and FSDP's ``set_requires_gradient_sync(False)``) until the next synchronised backward.
+Gradients: each backward pass ends with ``.grad`` of the model's parameters gone (``None``) and the
+weighted sum over ranks of what it produced added to the shards' ``.grad`` (the same weights as
+MultiWorkerMirrored: each replica's share of the global batch, so uneven final batches equal one
+device). A shard's ``.grad`` is a view of the reduced buffer, not a copy: at ``"optimizer"`` the
+all-reduced full gradients, which stay (as ZeRO-1 keeps them) until the optimizer's ``zero_grad``;
+otherwise this rank's row of the reduce-scatter. A parameter that got no gradient on any rank keeps
+its shard's ``grad is None`` (a flag per parameter travels with the reduction). Inside
+:meth:`no_sync` the model's ``.grad`` accumulate in full (as DDP and FSDP's
+``set_requires_gradient_sync(False)``) until the next synchronised backward.
 
 Requirements: every rank runs the same modules in forward and backward (collectives happen in hook
 order). At ``"parameters"`` a parameter must be read inside its unit's forward (a model that reads
@@ -82,6 +87,7 @@ from spread.strategies.sharded_state import ShardedLayout
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
 REDUCTIONS_IN_FLIGHT = 2  # gradient reductions a rank keeps open during backward
+GATHERS_IN_FLIGHT = 2  # parameter all-gathers a rank keeps open after an optimizer step
 Units = str | tuple[type[nn.Module], ...]  # "model", "modules", or module classes
 
 
@@ -106,9 +112,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             collective each); at ``"parameters"`` a block is one unit's parameters.
         init_timeout, collective_timeout, sync_batchnorm: as for MultiWorkerMirroredStrategy.
 
-    Collectives are torch.distributed's ``reduce_scatter_single`` and ``all_gather_single`` (both
-    supported by gloo in torch 2.13) and ``all_reduce`` at ``"optimizer"``; buffers (BatchNorm
-    statistics) are not sharded and are averaged after each step as with MultiWorkerMirrored.
+    Collectives are torch.distributed's ``reduce_scatter_single`` (on gloo an in-place
+    ``all_reduce`` and a copy of the rank's row, see :meth:`~spread.comm.Collectives.reduce_scatter`)
+    and ``all_gather_single``, and ``all_reduce`` at ``"optimizer"``; buffers (BatchNorm statistics)
+    are not sharded and are averaged after each step as with MultiWorkerMirrored.
     """
 
     def __init__(
@@ -389,15 +396,19 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if not stepped:
             return
         blocks = [b for b in self._blocks if id(b) in stepped]
+        gathering: deque[ParameterBlock] = deque()
         for block in blocks:
             block.resident = False  # the step changed the shards: the model's values are stale
-            if self.shard != "parameters":
-                block.start_gather()  # every block's all-gather in flight at once
-        for block in blocks:
             if self.shard == "parameters":
                 block.release()  # the next forward gathers the new values
-            else:
-                block.gather()
+                continue
+            # A few all-gathers in flight at once, each with a packed block of its own.
+            block.start_gather()
+            gathering.append(block)
+            while len(gathering) > GATHERS_IN_FLIGHT:
+                gathering.popleft().gather()
+        for block in gathering:
+            block.gather()
         if self._buffers is not None:
             self._buffers.sync(self._buffer_weight)
 
@@ -502,24 +513,16 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     # -- memory ------------------------------------------------------------------------------------
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
-        """Bytes this rank holds: the model's parameters (0 for released ones) and its shards; the
-        model's and the shards' gradients and the all-reduce buffers; ``optimizer``'s state."""
+        """Bytes this rank holds: the model's parameters (0 for released ones) and its shards (views
+        of them below ``"parameters"``: counted once); the model's and the shards' gradients (with
+        the reduced buffers they are views of); ``optimizer``'s state."""
         seen: set[int] = set()
         shards = [s for b in self._blocks for s in b.shards]
         params = storage_bytes(
-            [
-                *self.managed_parameters,
-                *(f for b in self._blocks for f in b.full),
-                *(b.flat_shard for b in self._blocks),
-            ],
-            seen,
+            [*self.managed_parameters, *(f for b in self._blocks for f in b.full), *shards], seen
         )
         grads = storage_bytes(
-            [
-                *(p.grad for p in self.managed_parameters),
-                *(s.grad for s in shards),
-                *(b.grad_buffer for b in self._blocks),
-            ],
+            [*(p.grad for p in self.managed_parameters), *(s.grad for s in shards)],
             seen,
         )
         state = storage_bytes(optimizer_state_tensors(optimizer), seen)

@@ -1,12 +1,15 @@
 """One block of ShardedStrategy's parameters: sharded, all-gathered and gradient-reduced together.
 
-A block owns this rank's flat shard of its parameters (:class:`~spread.comm.sharding.ShardLayout`),
-the shard parameters the optimizer steps, and the gather/release of the model's full values and the
-reduction of their gradients, each one collective per block (see :mod:`spread.strategies.sharded`).
+A block owns this rank's shard of its parameters (:class:`~spread.comm.sharding.ShardLayout`): a flat
+copy of its chunks at ``"parameters"``, where the model's values are released between uses, and
+views of the model's parameters below, where they stay (no second copy). It owns the shard
+parameters the optimizer steps, the gather/release of the model's full values and the reduction of
+their gradients, each one collective per block (see :mod:`spread.strategies.sharded`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,16 +28,25 @@ class ParameterBlock:
         self.collectives = collectives
         self.shard = shard
         self.layout = ShardLayout.of([p.shape for p in params], collectives.world_size, extra=len(params))
-        rank = collectives.rank
-        with torch.no_grad():
-            chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
-            self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
+        rank, world = collectives.rank, collectives.world_size
+        self.flat_shard: torch.Tensor | None = None  # "parameters": this rank's chunks, the only copy
+        if shard == "parameters":
+            with torch.no_grad():
+                chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
+                self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
+            pieces = [
+                self.flat_shard[off : off + c]
+                for off, c in zip(self.layout.offsets, self.layout.chunks, strict=True)
+            ]
+        else:
+            # The model keeps its full parameters: each shard is a view of its parameter's own chunk,
+            # so the optimizer's step writes into the model and no second copy exists.
+            pieces = [_own_chunk(p, c, world, rank) for p, c in zip(params, self.layout.chunks, strict=True)]
         self.shards = [
-            nn.Parameter(self.flat_shard[off : off + c], requires_grad=p.requires_grad)
-            for p, off, c in zip(params, self.layout.offsets, self.layout.chunks, strict=True)
+            nn.Parameter(piece, requires_grad=p.requires_grad)
+            for p, piece in zip(params, pieces, strict=True)
         ]
         self.trainable = sum(p.requires_grad for p in params)
-        self.grad_buffer: torch.Tensor | None = None  # "optimizer": the all-reduce's, kept
         self.resident = True  # whether the model's parameters hold their full values
         # The tensors holding the full values (their storage is released and regrown: autograd's
         # saved views of a parameter keep that storage), and what a released parameter shows
@@ -43,8 +55,11 @@ class ParameterBlock:
         self.full = [p.data for p in params]
         self._stand_ins = [p.data.new_zeros(1).expand(p.shape) for p in params]
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
-        self._gathering: tuple[PendingCollective, torch.Tensor] | None = None  # a prefetch in flight
-        self._reducing: tuple[PendingCollective, torch.Tensor] | None = None  # a reduction in flight
+        # A prefetch in flight: the collective, its output, and its input (kept alive until done).
+        self._gathering: tuple[PendingCollective, torch.Tensor, torch.Tensor] | None = None
+        # A reduction in flight: the collective, the buffer the shards' gradients are cut from, and
+        # where the presence flags are in it.
+        self._reducing: tuple[PendingCollective, torch.Tensor, torch.Tensor] | None = None
 
     # -- parameters --------------------------------------------------------------------------------
     def start_gather(self) -> None:
@@ -53,11 +68,13 @@ class ParameterBlock:
         if self.resident or self._gathering is not None:
             return
         layout = self.layout
-        gathered = self.flat_shard.new_empty(layout.world_size * layout.shard_numel)
-        pending = self.collectives.all_gather_into_async(
-            gathered, self.flat_shard, name="sharded.all_gather_parameters"
-        )
-        self._gathering = (pending, gathered)
+        if self.flat_shard is not None:
+            mine = self.flat_shard
+        else:  # the shards are views of the parameters: packed for the collective, then dropped
+            mine = torch.cat([s.detach() for s in self.shards])
+        gathered = mine.new_empty(layout.world_size * layout.shard_numel)
+        pending = self.collectives.all_gather_into_async(gathered, mine, name="sharded.all_gather_parameters")
+        self._gathering = (pending, gathered, mine)
 
     def gather(self) -> None:
         """Make the model's parameters hold their full values (the collective, unless a prefetch
@@ -66,7 +83,7 @@ class ParameterBlock:
             return
         self.start_gather()
         assert self._gathering is not None
-        pending, gathered = self._gathering
+        pending, gathered, _ = self._gathering
         self._gathering = None
         pending.wait()
         with torch.no_grad():
@@ -98,7 +115,10 @@ class ParameterBlock:
         return self._gathering is not None
 
     def refresh_shards(self) -> None:
-        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load."""
+        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load (the
+        shards are views of the parameters' own chunks below ``"parameters"``: nothing to take)."""
+        if self.flat_shard is None:
+            return
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.shards[i].copy_(self.layout.chunk_of(i, p, self.collectives.rank))
@@ -107,48 +127,78 @@ class ParameterBlock:
     def start_reduce(self, grad_scale: float) -> None:
         """Collective, asynchronous: the model's ``.grad`` times ``grad_scale`` are packed and their
         sum over ranks started (all-reduce at ``"optimizer"``, else reduce-scatter); the model's
-        ``.grad`` become ``None``. :meth:`finish_reduce` adds the result to the shards' ``.grad``."""
+        ``.grad`` become ``None``. :meth:`finish_reduce` adds the result to the shards' ``.grad``.
+
+        A presence flag per parameter travels with the gradients, so each rank learns which got a
+        gradient on any rank: at ``"optimizer"`` once, after every rank's row (the all-reduced rows
+        are the full gradients this stage keeps), else in every rank's row (the reduce-scatter gives
+        each rank its row and the flags)."""
         layout, world = self.layout, self.collectives.world_size
         grads = [p.grad for p in self.params]
         if any(g is not None and g.is_sparse for g in grads):
             raise SpreadError("ShardedStrategy does not shard sparse gradients (nn.Embedding(sparse=True))")
+        present = torch.tensor([g is not None for g in grads], dtype=self.shards[0].dtype)
         if self.shard == "optimizer":
-            if self.grad_buffer is None:
-                self.grad_buffer = self.flat_shard.new_empty(world * layout.row_numel)
-            packed = self.grad_buffer
+            packed = self.shards[0].new_empty(world * layout.shard_numel + layout.extra)
+            _without_flags(layout).pack(grads, packed[: world * layout.shard_numel], grad_scale)
+            packed[world * layout.shard_numel :] = present
         else:
-            packed = self.flat_shard.new_empty(world * layout.row_numel)
-        layout.pack(grads, packed, grad_scale)
-        rows = packed.view(world, layout.row_numel)
-        # A presence flag per parameter in every row: each rank learns which got a gradient anywhere.
-        rows[:, layout.shard_numel :] = torch.tensor([g is not None for g in grads], dtype=packed.dtype)
+            packed = self.shards[0].new_empty(world * layout.row_numel)
+            layout.pack(grads, packed, grad_scale)
+            packed.view(world, layout.row_numel)[:, layout.shard_numel :] = present
         for p in self.params:
             p.grad = None
         if self.shard == "optimizer":
             pending = self.collectives.all_reduce_async(packed, name="sharded.grad_all_reduce")
-            mine = rows[self.collectives.rank]
+            rank = self.collectives.rank
+            mine = packed[rank * layout.shard_numel : (rank + 1) * layout.shard_numel]
+            flags = packed[world * layout.shard_numel :]
         else:
-            mine = packed.new_empty(layout.row_numel)
-            pending = self.collectives.reduce_scatter_async(mine, packed, name="sharded.grad_reduce_scatter")
-        self._reducing = (pending, mine)
+            row = packed.new_empty(layout.row_numel)
+            pending = self.collectives.reduce_scatter_async(row, packed, name="sharded.grad_reduce_scatter")
+            mine, flags = row[: layout.shard_numel], row[layout.shard_numel :]
+        self._reducing = (pending, mine, flags)
 
     def finish_reduce(self) -> None:
+        """Wait for the reduction; a shard without ``.grad`` gets a view of the reduced buffer (no
+        copy: at ``"optimizer"`` the view keeps the all-reduced full gradients, as ZeRO-1 keeps
+        them, until the optimizer's ``zero_grad``), one with ``.grad`` has it added."""
         if self._reducing is None:
             return
-        pending, mine = self._reducing
+        pending, mine, flags = self._reducing
         self._reducing = None
         pending.wait()
         layout = self.layout
-        present = mine[layout.shard_numel :].tolist()
+        present = flags.tolist()
         for i, shard in enumerate(self.shards):
             if present[i] <= 0:
                 continue  # no rank produced a gradient for it: as on one device, it keeps none
             off, c = layout.offsets[i], layout.chunks[i]
             grad = mine[off : off + c]
             if shard.grad is None:
-                shard.grad = grad.clone() if self.shard == "optimizer" else grad
+                shard.grad = grad
             else:
                 shard.grad.add_(grad)
+
+
+def _own_chunk(p: nn.Parameter, chunk: int, world: int, rank: int) -> torch.Tensor:
+    """A view of ``rank``'s chunk of ``p``'s values. When ``p`` is not contiguous or its chunks need
+    padding, ``p`` is first moved into a storage of ``world * chunk`` elements of its own (the tail
+    after its values is the padding, never part of ``p``)."""
+    numel = p.numel()
+    if p.is_contiguous() and numel == world * chunk:
+        flat = p.data.view(-1)
+    else:
+        with torch.no_grad():
+            flat = p.new_zeros(world * chunk)
+            flat[:numel].copy_(p.reshape(-1))
+        p.data = flat[:numel].view(p.shape)
+    return flat[rank * chunk : (rank + 1) * chunk]
+
+
+def _without_flags(layout: ShardLayout) -> ShardLayout:
+    """``layout`` with rows of the chunks only (``"optimizer"`` sends the flags once, not per row)."""
+    return replace(layout, extra=0)
 
 
 def fill_chunk(chunk: torch.Tensor, piece: torch.Tensor) -> None:
