@@ -203,6 +203,7 @@ class Strategy(abc.ABC):
             stack.enter_context(_hook(nn.modules.module.register_module_module_registration_hook, on_module))
             if self.device.type != "cpu":
                 stack.enter_context(self.device)
+            stack.enter_context(self._scope_context())
             _push_scope(self)
             stack.callback(_pop_scope, self)
             yield self
@@ -210,6 +211,7 @@ class Strategy(abc.ABC):
         # copied with copy.deepcopy (nn.TransformerEncoder clones its layer).
         alive = [module for module in (ref() for ref in created) if module is not None]
         modules = _unique([sub for module in alive for sub in module.modules()])
+        self._check_meta_tensors(modules)
         created_params = [p for module in modules for p in module.parameters(recurse=False)]
         created_buffers = [b for module in modules for b in module.buffers(recurse=False)]
         _adopt(self, created_params, created_buffers)
@@ -221,10 +223,42 @@ class Strategy(abc.ABC):
         params = list(model.parameters())
         if params and all(id(p) in self._managed for p in params):
             return model
-        model.to(self.device)
+        modules = list(model.modules())
+        self._check_meta_tensors(modules)
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model._apply(lambda t: t if t.is_meta else t.to(self.device))  # the rest: materialised
+        else:
+            model.to(self.device)
         _adopt(self, list(model.parameters()), list(model.buffers()))
-        self._on_new_modules(list(model.modules()))
+        self._on_new_modules(modules)
         return model
+
+    def _scope_context(self) -> AbstractContextManager[Any]:
+        """Entered around the body of :meth:`scope` (a strategy recording how models are built there).
+        Default: nothing."""
+        return nullcontext()
+
+    def _meta_refusal(self) -> str | None:
+        """Why this strategy cannot take parameters or buffers on the meta device (None: it
+        materialises them itself)."""
+        return (
+            "it holds every parameter whole on each process, so the model would be materialised whole anyway"
+        )
+
+    def _check_meta_tensors(self, modules: Sequence[nn.Module]) -> None:
+        """Refuse, by name, parameters and buffers on the meta device (shapes without values) unless
+        this strategy materialises them."""
+        reason = self._meta_refusal()
+        if reason is None:
+            return
+        names = meta_tensor_names(modules)
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise SpreadError(
+                f"{type(self).__name__} cannot take a model on the meta device ({shown}): {reason}. "
+                "Build it on a real device, or train it with ShardedStrategy(shard='parameters'), "
+                "which gives each process its shard of one device's values without the whole model"
+            )
 
     def _on_new_modules(self, modules: list[nn.Module]) -> None:
         """Modules whose variables were just adopted (those registering a parameter, buffer or
@@ -676,6 +710,16 @@ def _hook(register: Callable[[Callable], Any], fn: Callable) -> Iterator[None]:
 
 def _with_vote(stats: torch.Tensor, vote: float) -> torch.Tensor:
     return torch.cat([stats, stats.new_tensor([vote])])
+
+
+def meta_tensor_names(modules: Sequence[nn.Module]) -> list[str]:
+    """``Class.name`` of each parameter and buffer on the meta device held by ``modules``."""
+    names: dict[int, str] = {}
+    for module in modules:
+        for name, t in (*module._parameters.items(), *module._buffers.items()):
+            if t is not None and t.is_meta:
+                names.setdefault(id(t), f"{type(module).__name__}.{name}")
+    return list(names.values())
 
 
 def _unique(tensors: list) -> list:

@@ -378,6 +378,7 @@ class PipelineStrategy(Strategy):
                 "a PipelineStrategy pipelines one model; create another strategy for a second one"
             )
         _refuse_compiled_whole(model)
+        self._check_meta_tensors(list(model.modules()))
         if self.named_split:
             assert self.split_points is not None
             check_split_points(model, self.split_points)  # refuse unknown module paths, now

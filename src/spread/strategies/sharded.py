@@ -77,12 +77,14 @@ from spread.cluster import ClusterSpec
 from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
 from spread.errors import SpreadError
+from spread.memory.meta_init import MetaInitRecorder
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
 from spread.strategies.base import Strategy, replica_weights
 from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
+from spread.strategies.sharded_meta import InitFn, materialise
 from spread.strategies.sharded_state import ShardedLayout
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
@@ -175,25 +177,57 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._next_in_backward: dict[int, ParameterBlock] | None = None
         self._pre_step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._reading_state = False  # the layout reads released parameters' names and buffers
+        self._recorder: MetaInitRecorder | None = None  # the last scope's, until its models are adopted
+        self._init_fn: InitFn | None = None  # prepare_model's, while it runs
 
     # -- variables ---------------------------------------------------------------------------------
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         tensors = [*params, *buffers]
-        self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
-        self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
+        signature = [*_signature(tensors), sum(t.is_meta for t in tensors)]
+        self.collectives.check_same(signature, what="the model's parameter shapes and dtypes")
+        real = [t for t in tensors if not t.is_meta]  # meta ones get the chief's values in materialise
+        self.collectives.broadcast_tensors(real, src=0, name="broadcast_initial_weights")
         self._buffers_stale = True
         self._pending.extend(params)
 
-    def _on_new_modules(self, modules: list[nn.Module]) -> None:
-        super()._on_new_modules(modules)  # BatchNorm and buffer averaging, as MultiWorkerMirrored
-        pending, self._pending = self._pending, []
-        if not pending:
+    @contextmanager
+    def _scope_context(self) -> Iterator[None]:
+        """At ``"parameters"``: record what the scope's code does with meta tensors (for
+        :mod:`spread.strategies.sharded_meta`)."""
+        if self.shard != "parameters":
+            yield
             return
-        regions: list[tuple[nn.Module, list[nn.Module]]] = []
+        recorder = MetaInitRecorder(self.device)
+        with recorder:
+            yield
+        self._recorder = recorder
+
+    def _meta_refusal(self) -> str | None:
         if self.shard == "parameters":
+            return None
+        return f"at shard={self.shard!r} every process holds every parameter whole"
+
+    def prepare_model(self, model: nn.Module, *, init_fn: InitFn | None = None) -> nn.Module:
+        """As :meth:`Strategy.prepare_model`. A model on the meta device (``shard="parameters"``
+        only) is materialised module by module, each rank keeping its shards: each module holding
+        meta tensors of its own gets them on the device, then ``init_fn(module)`` or its
+        ``reset_parameters()`` (see :mod:`spread.strategies.sharded_meta` for when that equals one
+        device; built inside the scope instead, any model does)."""
+        self._init_fn = init_fn
+        try:
+            return super().prepare_model(model)
+        finally:
+            self._init_fn = None
+
+    def _on_new_modules(self, modules: list[nn.Module]) -> None:
+        recorder, self._recorder = self._recorder, None
+        pending, self._pending = self._pending, []
+        regions: list[tuple[nn.Module, list[nn.Module]]] = []
+        groups: list[list[nn.Parameter]] = []
+        if pending and self.shard == "parameters":
             regions = _unit_regions(modules, self.units)
             groups = _blocks_by_unit(pending, regions)
-        else:
+        elif pending:
             groups = _blocks_by_size(pending, int(self.bucket_cap_mb * 2**20))
         created: dict[int, ParameterBlock] = {}  # id(model parameter) -> its new block
         for params in groups:
@@ -203,6 +237,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 created[id(p)] = block
                 self._block_of[id(p)] = (block, i)
                 self._shard_to_block[id(block.shards[i])] = block
+        if self.shard == "parameters":
+            materialise(self, recorder, modules, self._init_fn)
+        super()._on_new_modules(modules)  # BatchNorm and buffer averaging, as MultiWorkerMirrored
+        for params in groups:
+            for p in params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
         for owner, region in regions:
@@ -594,7 +633,7 @@ def _blocks_by_unit(
             for p in module._parameters.values():
                 if p is not None and id(p) in new and id(p) not in owned:
                     owned.add(id(p))
-                    if (
+                    if not p.is_meta and (  # a meta one gets a storage of its own in materialise
                         p.storage_offset() != 0
                         or p.untyped_storage().nbytes() != p.numel() * p.element_size()
                     ):

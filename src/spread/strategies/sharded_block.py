@@ -9,6 +9,7 @@ their gradients, each one collective per block (see :mod:`spread.strategies.shar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 from spread.comm import Collectives, PendingCollective
 from spread.comm.sharding import ShardLayout
 from spread.errors import SpreadError
+from spread.memory.meta_init import become
 
 
 class ParameterBlock:
@@ -32,8 +34,16 @@ class ParameterBlock:
         self.flat_shard: torch.Tensor | None = None  # "parameters": this rank's chunks, the only copy
         if shard == "parameters":
             with torch.no_grad():
-                chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
-                self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
+                if any(p.is_meta for p in params):  # their chunks come from materialise()
+                    dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
+                    numel = self.layout.shard_numel
+                    self.flat_shard = torch.zeros(numel, dtype=dtype, device=collectives.device)
+                    for i, p in enumerate(params):
+                        if not p.is_meta:
+                            self._chunk(i).copy_(self.layout.chunk_of(i, p, rank))
+                else:
+                    chunks = [self.layout.chunk_of(i, p, rank) for i, p in enumerate(params)]
+                    self.flat_shard = torch.cat(chunks) if chunks else params[0].new_zeros(0)
             pieces = [
                 self.flat_shard[off : off + c]
                 for off, c in zip(self.layout.offsets, self.layout.chunks, strict=True)
@@ -60,6 +70,25 @@ class ParameterBlock:
         # A reduction in flight: the collective, the buffer the shards' gradients are cut from, and
         # where the presence flags are in it.
         self._reducing: tuple[PendingCollective, torch.Tensor, torch.Tensor] | None = None
+
+    def _chunk(self, i: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``i`` in the flat shard (``shard="parameters"`` only)."""
+        assert self.flat_shard is not None, "only shard='parameters' keeps a flat shard"
+        return self.flat_shard[self.layout.offsets[i] : self.layout.offsets[i] + self.layout.chunks[i]]
+
+    def materialise(self, i: int, value: torch.Tensor) -> None:
+        """Parameter ``i``, on the meta device (or just initialised in place), takes ``value``: this
+        rank keeps its chunk, and the parameter (the same object) becomes a released real one, zeros
+        until gathered. The only full copy is ``value``, the caller's."""
+        p = self.params[i]
+        with torch.no_grad():
+            self._chunk(i).copy_(self.layout.chunk_of(i, value, self.collectives.rank))
+        if p.is_meta:
+            become(p, torch.empty(p.shape, dtype=p.dtype, device=self._chunk(i).device))
+        self.full[i] = p.data
+        self._stand_ins[i] = p.data.new_zeros(1).expand(p.shape)
+        p.data = self._stand_ins[i]
+        self.full[i].untyped_storage().resize_(0)
 
     # -- parameters --------------------------------------------------------------------------------
     def start_gather(self) -> None:
