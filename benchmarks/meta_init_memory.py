@@ -11,9 +11,10 @@ each Linear, then the root). Each configuration runs as its own job, one after a
 
 Memory is ``VmHWM`` from ``/proc/self/status`` (the process's peak resident set) above ``VmRSS``
 when the job had joined and built nothing yet: once after building (reset then, by writing 5 to
-``/proc/self/clear_refs``), once after two steps. FSDP2's meta init is FSDP2's documented way:
-``fully_shard`` on the meta model, ``to_empty``, then ``reset_parameters()`` of each Linear on its
-shards.
+``/proc/self/clear_refs``), once after two steps, with glibc's mmap threshold fixed at 64 KB
+(``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set. FSDP2's meta init is
+FSDP2's documented way: ``fully_shard`` on the meta model, ``to_empty``, then ``reset_parameters()``
+of each Linear on its shards.
 
 ``--check-values`` instead builds a small model (3 Linear layers) each way at 2 processes and prints
 how far each rank's initial weights are from one device's built with the same seed.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -32,7 +34,7 @@ from torch import nn
 import spread
 from spread.testing import run_ranks
 
-CONFIGS = ("sharded, meta", "sharded, built whole", "mirrored, built whole", "FSDP2, meta")
+CONFIGS = ("sharded, meta", "FSDP2, meta", "sharded, built whole", "mirrored, built whole")
 
 
 def _status(field: str) -> int:
@@ -95,7 +97,7 @@ def _build(kind: str, strategy: spread.Strategy, layers: int, width: int) -> tup
 def _strategy(kind: str) -> spread.Strategy:
     if kind.startswith("sharded"):
         return spread.ShardedStrategy("parameters", units=(nn.Linear,))
-    return spread.MultiWorkerMirroredStrategy()  # FSDP2 runs on its process group
+    return spread.MultiWorkerMirroredStrategy("native")  # gloo's all-reduce; FSDP2 runs on its group
 
 
 def _job(kind: str, layers: int, width: int) -> dict[str, int]:
@@ -141,8 +143,10 @@ def main() -> None:
     parser.add_argument("--check-values", action="store_true")
     args = parser.parse_args()
     # Tensors mapped and unmapped on their own: glibc would otherwise raise its mmap threshold after
-    # the first large free and keep freed tensors in its heap, counted as resident.
-    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**16)}
+    # the first large free and keep freed tensors in its heap, counted as resident (up to 320 MB per
+    # rank here). Read when a process starts, so set before the ranks are spawned.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**16))
+    env = {"OMP_NUM_THREADS": "1"}
     if args.check_values:
         print("max |initial weight - one device's|, 3 x Linear(64, 64), 2 processes, per rank")
         for kind in CONFIGS:
