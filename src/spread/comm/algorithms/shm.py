@@ -50,7 +50,9 @@ running it after backward costs less than a thread fighting backward for the cor
 
 **Segments have no name.** The group's first rank creates each one with ``memfd_create`` and hands
 the descriptor to every peer with ``SCM_RIGHTS`` over that peer's barrier socket (connected, so only
-the first rank's socket can send on it; the message is also checked like a barrier message). Nothing
+the first rank's socket can send on it; the message is also checked like a barrier message), once
+every peer has entered the all-reduce of the creation's status (so none is still in a barrier, whose
+reader drops anything but an arrival). Nothing
 appears in ``/dev/shm`` or anywhere in the file system, so another process of the same user cannot
 open a segment and write into the sums (it could, through ``/dev/shm``, while a named file existed);
 and nothing is left behind, even after a crash: the memory goes with the last mapping.
@@ -422,7 +424,12 @@ class ShmAllReduce(AllReduceAlgorithm):
                 except OSError as exc:
                     failure = exc.errno or errno.EIO
             status = torch.tensor([failure], dtype=torch.int64, device=self.collectives.device)
-            self.collectives.broadcast(status, src=self.peers[0], name=f"{what}.create")
+            # An all-reduce, not a broadcast: it ends on the first rank only once every rank has
+            # entered it, so no rank is still reading its barrier sockets (which drop anything but
+            # an arrival) when the segment's descriptor reaches them. A broadcast's root may go on
+            # as soon as its message is sent; a late peer then dropped the descriptor and waited
+            # in take_segment until the deadline ("rank 0 did not hand over the shared segment").
+            self.collectives.all_reduce(status, "max", name=f"{what}.create")
             if int(status.item()):
                 raise _segment_error(int(status.item()), size)
             deadline = time.monotonic() + self.timeout
