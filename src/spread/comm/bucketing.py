@@ -17,7 +17,9 @@ Contract (the same as DDP's, so PyTorch users keep their habits):
 * inside :meth:`no_sync` backward passes accumulate locally; the next synchronised backward reduces
   everything accumulated since the last exchange (use it for gradient accumulation);
 * a parameter that gets no gradient on some rank contributes zeros; one that gets no gradient on any
-  rank keeps ``grad is None`` (so optimizers skip it, as on one device). No hang either way.
+  rank keeps ``grad is None`` (so optimizers skip it, as on one device). No hang either way;
+* a tensor-parallel parameter (``DTensor``) is exchanged by its local shard
+  (:mod:`spread.comm.local_parts`): the group is the data axis, whose ranks hold the same shard.
 
 Reentrant activation checkpointing (``use_reentrant=True``) runs nested backward passes and is not
 supported, as with DDP; use ``use_reentrant=False``.
@@ -36,6 +38,7 @@ from torch.profiler import record_function
 
 from spread.comm.algorithms import AllReduceAlgorithm
 from spread.comm.flight import RECORDER
+from spread.comm.local_parts import like_parameter, local_part
 from spread.comm.ops import Collectives
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -68,14 +71,15 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
     for p in reversed(params):
         key = (p.device, p.dtype)
         bucket = open_by_key.get(key)
-        nbytes = p.numel() * p.element_size()
+        numel = local_part(p).numel()
+        nbytes = numel * p.element_size()
         if bucket is None or (bucket.numel * p.element_size() + nbytes > cap_bytes and bucket.params):
             bucket = _Bucket(params=[], offsets=[], numel=0)
             buckets.append(bucket)
             open_by_key[key] = bucket
         bucket.params.append(p)
         bucket.offsets.append(bucket.numel)
-        bucket.numel += p.numel()
+        bucket.numel += numel
     return buckets
 
 
@@ -257,15 +261,17 @@ class GradientReducer:
                 torch.mul(grad, scale, out=slot)
 
         for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
-            slot = flat[off : off + p.numel()].view_as(p)
+            local = local_part(p)
+            slot = flat[off : off + local.numel()].view_as(local)
             key = id(p)
             if key in ready and key in fresh:
-                put(slot, fresh[key])
+                put(slot, local_part(fresh[key]))
                 assert p.grad is not None  # it has a fresh part, so it has a gradient
-                p.grad.sub_(fresh[key])  # back to the already-exchanged part; the fresh part is added below
+                # back to the already-exchanged part; the fresh part is added below
+                local_part(p.grad).sub_(local_part(fresh[key]))
                 flags[i] = 1
             elif p.grad is not None and (key in ready or self._local_pending):
-                put(slot, p.grad)
+                put(slot, local_part(p.grad))
                 flags[i] = 1
             else:
                 slot.zero_()
@@ -277,15 +283,16 @@ class GradientReducer:
         for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
             if flags[i] <= 0:
                 continue  # no rank produced a gradient for p: leave it as it was
-            slot = flat[off : off + p.numel()].view_as(p)
+            local = local_part(p)
+            slot = flat[off : off + local.numel()].view_as(local)
             key = id(p)
             replaces = p.grad is not None and (key in ready or self._local_pending) and key not in fresh
             if p.grad is None:
-                p.grad = slot.clone()
+                p.grad = like_parameter(slot.clone(), p)
             elif replaces:
-                p.grad.copy_(slot)
+                local_part(p.grad).copy_(slot)
             else:
-                p.grad.add_(slot)
+                local_part(p.grad).add_(slot)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

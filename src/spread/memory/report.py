@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spread.comm.local_parts import local_part
+
 
 @dataclass(frozen=True)
 class MemoryReport:
@@ -33,13 +35,14 @@ class MemoryReport:
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (``None`` skipped). ``seen``: storages
-    already counted elsewhere (updated), so a storage shared by two categories counts once."""
+    already counted elsewhere (updated), so a storage shared by two categories counts once. A
+    tensor-parallel ``DTensor`` counts the shard this process holds."""
     seen = set() if seen is None else seen
     total = 0
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
+        storage = local_part(t).untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in seen:
             continue

@@ -42,6 +42,7 @@ from spread.strategies.context import (
     get_replica_context,
 )
 from spread.strategies.teardown import ProcessResources
+from spread.strategies.tensor_parallel import refuse_dtensor_parameters
 from spread.values import PerReplica, on_device
 
 REDUCE_OPS = ("sum", "mean")
@@ -270,6 +271,13 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         """Synchronise and hook newly managed variables."""
+
+    def _check_new_parameters(self, params: list[nn.Parameter]) -> None:
+        """Refuse, before anything is exchanged, parameters this strategy cannot train. Default:
+        tensor-parallel ones (``DTensor``, from ``parallelize_module``), which only
+        MultiWorkerMirroredStrategy trains (:mod:`spread.strategies.tensor_parallel`)."""
+        why = "it keeps whole tensors (replicated, placed or staged), not DTensor shards"
+        refuse_dtensor_parameters(type(self).__name__, params, why)
 
     @property
     def managed_parameters(self) -> list[nn.Parameter]:
@@ -658,6 +666,7 @@ def _adopt(strategy: Strategy, params: list[nn.Parameter], buffers: list[torch.T
     new_buffers = [b for b in _unique(buffers) if id(b) not in strategy._managed_buffers]
     if not new_params and not new_buffers:
         return
+    strategy._check_new_parameters(new_params)
     for p in new_params:
         strategy._managed[id(p)] = p
     for b in new_buffers:

@@ -13,6 +13,12 @@ over a process group of their own (so the exchange, which runs inside backward, 
 with the gradient buckets' all-reduces on the main group) and normalise with the global batch's; their
 buffers are then equal on every rank already and are left out of the averaging.
 
+Tensor parallelism: with ``tensor_parallel=N`` the job is a ``(dp, tp)`` mesh (:attr:`mesh`); a
+model parallelised with torch's ``parallelize_module`` on ``strategy.mesh["tp"]`` is one replica per
+tensor-parallel group, and everything above (initial broadcast, gradient buckets, buffers, the
+step's statistics, data) runs along the data axis over each ``DTensor``'s local shard
+(:mod:`spread.strategies.tensor_parallel`); ``num_replicas_in_sync`` is the data axis's size.
+
 Compiled models (``torch.compile``, ``module.compile()``): ``run`` cuts graphs compiled inside it at
 the reducer's bucket boundaries (:mod:`spread.comm.compiled`), so the all-reduce overlaps backward as
 it does for an eager model; not where nothing could overlap (one bucket, or ``shm``, whose
@@ -22,7 +28,7 @@ asynchronous calls run at ``wait()``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -30,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from spread.cluster import ClusterSpec, resolve_cluster
@@ -41,6 +49,7 @@ from spread.comm.bucketing import COMPRESSIONS
 from spread.comm.buffers import BufferAverager
 from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.flight import start_watch, stop_watch
+from spread.comm.local_parts import local_part
 from spread.comm.ops import destroy_group
 from spread.comm.peers import gone_ranks, on_this_host, record_job_processes
 from spread.comm.structure import broadcast_structure
@@ -49,13 +58,24 @@ from spread.errors import SpreadError
 from spread.memory.report import MemoryReport
 from spread.strategies.base import (
     Strategy,
+    TrainingProgram,
     model_state_report,
     one_replica_tensor,
     replica_weights,
     run_as_replica,
 )
 from spread.strategies.batchnorm import BatchNormReplicas
+from spread.strategies.checkpointing import StateLayout
+from spread.strategies.clipping import clip_by_norm
 from spread.strategies.process_group import join_process_group, local_device
+from spread.strategies.tensor_parallel import (
+    DataAxis,
+    TensorParallelLayout,
+    check_axis_arguments,
+    check_parameters,
+    gradient_norm,
+    make_data_axis,
+)
 
 COMMUNICATIONS = ALGORITHM_NAMES  # "auto" and every name of spread.comm.algorithms.ALGORITHMS
 
@@ -76,6 +96,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         collective_timeout: seconds before a stuck collective fails naming the rank and operation
             (default ``SPREAD_COLLECTIVE_TIMEOUT`` or 300).
         sync_batchnorm: BatchNorm statistics over the global batch (see :class:`Strategy`).
+        tensor_parallel: processes per tensor-parallel group (default 1: none). The strategy builds
+            the 2-D mesh :attr:`mesh` of ``(world / N, N)`` processes named ``("dp", "tp")``
+            (tensor-parallel ranks adjacent); parallelise the model on ``strategy.mesh["tp"]``
+            with ``parallelize_module``, and this strategy runs data parallelism along ``"dp"``.
+        data_mesh: instead of ``tensor_parallel``, the data axis of a mesh the script built itself
+            (a 1-D ``DeviceMesh``, e.g. ``mesh["dp"]``; the process group must exist first).
     """
 
     def __init__(
@@ -88,8 +114,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         init_timeout: float | None = None,
         collective_timeout: float | None = None,
         sync_batchnorm: bool = False,
+        tensor_parallel: int = 1,
+        data_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__(sync_batchnorm=sync_batchnorm)
+        check_axis_arguments(tensor_parallel, data_mesh)
+        if communication == "hierarchical" and (tensor_parallel != 1 or data_mesh is not None):
+            raise ValueError(
+                "communication='hierarchical' groups the job's ranks by node and does not combine with "
+                "tensor parallelism; use 'auto', 'native', 'ring', 'reduce_to_one' or 'shm'"
+            )
         if communication not in COMMUNICATIONS:
             raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
         if compression is not None and compression not in COMPRESSIONS:
@@ -119,6 +153,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         self._rendezvous = rendezvous
         self._reducer: GradientReducer | None = None
+        self._tensor_parallel, self._data_mesh = tensor_parallel, data_mesh
         self._join(rendezvous)
         self._batchnorm = BatchNormReplicas(self, self._make_statistics_sum(), shared_module=False)
         self._buffers: BufferAverager | None = None
@@ -136,11 +171,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         if rendezvous is not None:  # ours to destroy (released last); a group the script made is not
             self._resources.push(rendezvous.close)
         try:
-            self.collectives = Collectives(device=self._device)
-            record_job_processes(self.collectives)  # a lost peer is then named by rank
+            self.world = Collectives(device=self._device)
+            record_job_processes(self.world)  # a lost peer is then named by rank
             if rendezvous is not None and self.cluster.world_size > 1:  # a hang names who it waits for
                 start_watch(rendezvous.store, self.cluster.rank, self.cluster.world_size)
                 self._resources.push(stop_watch)
+            self._data_axis: DataAxis | None = make_data_axis(
+                self.world, self._device, tensor_parallel=self._tensor_parallel, data_mesh=self._data_mesh
+            )
+            # Data parallelism runs over the data axis: the whole job without tensor parallelism.
+            self.collectives = self.world if self._data_axis is None else self._data_axis.collectives
             self.algorithm: AllReduceAlgorithm = make_algorithm(
                 self.communication, self.collectives, local_world_size=self.cluster.local_world_size
             )
@@ -159,6 +199,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         if self.sync_batchnorm:
             raise SpreadError(
                 "recovery without restart (spread run --recover) does not support sync_batchnorm=True yet"
+            )
+        if self._data_axis is not None:
+            raise SpreadError(
+                "recovery without restart (spread run --recover) does not support tensor parallelism yet "
+                "(the mesh would have to be rebuilt for the survivors)"
             )
 
     def regroup(self) -> None:
@@ -221,12 +266,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         every rank in the same order, here in the constructor) and the sum over it."""
         if not self.sync_batchnorm:
             return None
-        group = dist.new_group(list(range(self.collectives.world_size)))
-        statistics = Collectives(group, device=self._device)
+        axis = self._data_axis
+        every = [list(range(self.world.world_size))] if axis is None else [list(g) for g in axis.groups]
+        groups = [dist.new_group(ranks) for ranks in every]  # every rank makes every group, in order
+        mine = next(g for g, ranks in zip(groups, every, strict=True) if self.world.rank in ranks)
+        statistics = Collectives(mine, device=self._device)
 
         def release() -> None:
             statistics.close()
-            destroy_group(group)
+            for group in groups:
+                destroy_group(group)
 
         self._resources.push(release)
 
@@ -246,14 +295,25 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def rank(self) -> int:
-        return self.collectives.rank
+        return self.world.rank
 
     @property
     def is_chief(self) -> bool:
-        return self.collectives.rank == 0
+        return self.world.rank == 0
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The ``("dp", "tp")`` DeviceMesh built for ``tensor_parallel=N``: parallelise the model on
+        ``mesh["tp"]``; None without tensor parallelism or with a ``data_mesh`` of the script's."""
+        return None if self._data_axis is None else self._data_axis.mesh
+
+    @property
+    def _first_data_rank(self) -> int:
+        """The global rank that speaks first for this process's data-parallel group."""
+        return 0 if self._data_axis is None else self._data_axis.first_rank
 
     def _data_channel(self) -> DataChannel:
-        return CollectivesDataChannel(self.collectives, self._device)
+        return CollectivesDataChannel(self.collectives, self._device, first_rank=self._first_data_rank)
 
     @property
     def _layout(self) -> ReplicaLayout:
@@ -261,10 +321,26 @@ class MultiWorkerMirroredStrategy(Strategy):
         return ReplicaLayout(world, rank, 1, process_index=rank, num_processes=world)
 
     # -- variables ---------------------------------------------------------------------------------
+    def _check_new_parameters(self, params: list[nn.Parameter]) -> None:
+        """Tensor-parallel parameters are trained when split off the data axis only."""
+        data_ranks = range(self.world.world_size) if self._data_axis is None else self._data_axis.ranks
+        check_parameters(type(self).__name__, params, data_ranks)
+
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-        tensors = [*params, *buffers]
+        tensors = [local_part(t) for t in (*params, *buffers)]  # a DTensor's shard: see tensor_parallel
         self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
-        self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
+        if self._data_axis is None:
+            self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
+        else:
+            # A shard from the first rank of its data-parallel group (the shard this rank holds of the
+            # chief's replica: parallelize_module cut it from each tensor-parallel group's first rank);
+            # a plain tensor, whole on every rank of the job, from the chief.
+            shards = [local_part(t) for t in (*params, *buffers) if isinstance(t, DTensor)]
+            whole = [t for t in (*params, *buffers) if not isinstance(t, DTensor)]
+            self.collectives.broadcast_tensors(
+                shards, src=self._first_data_rank, name="broadcast_initial_weights"
+            )
+            self.world.broadcast_tensors(whole, src=0, name="broadcast_initial_weights")
         self._buffers_stale = True
         if self._reducer is not None:
             self._reducer.close()
@@ -288,7 +364,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 if self.sync_batchnorm
                 else set()
             )
-            averaged = [b for b in self._managed_buffers.values() if id(b) not in own]
+            averaged = [local_part(b) for b in self._managed_buffers.values() if id(b) not in own]
             self._buffers = BufferAverager(averaged, self.collectives) if averaged else None
             self._buffers_stale = False
 
@@ -314,7 +390,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     def exchange_seconds(self) -> float:
         """The gradient reducer's waits plus the collectives run on the training loop's thread."""
         reducer = self._reducer.wait_seconds if self._reducer is not None else 0.0
-        return reducer + self.collectives.wait_seconds
+        world = self.world.wait_seconds if self.world is not self.collectives else 0.0
+        return reducer + self.collectives.wait_seconds + world
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """As :meth:`Strategy.memory_report`, with the gradient buckets the reducer keeps between steps."""
@@ -350,6 +427,52 @@ class MultiWorkerMirroredStrategy(Strategy):
         moved = tensor.movedim(axis, 0).contiguous()
         parts = self.collectives.all_gather_uneven(moved, name="gather")
         return torch.cat(parts, dim=0).movedim(0, axis)
+
+    # -- with tensor parallelism: what spans the whole job, not only the data axis -------------------
+    def gather_from_every_rank(self, value: torch.Tensor) -> torch.Tensor:
+        if self._data_axis is None:
+            return super().gather_from_every_rank(value)
+        tensor = one_replica_tensor(value, self.device).detach().contiguous()
+        return torch.cat(self.world.all_gather_uneven(tensor, name="gather_from_every_rank"))
+
+    def run_training_step(self, program: TrainingProgram, batch: Any) -> torch.Tensor:
+        """As :meth:`Strategy.run_training_step`; with tensor parallelism the statistics are one
+        data-parallel group's (every tensor-parallel group computes the same ones) and the stop votes
+        every rank's, summed in one all-reduce over the job, so no rank's vote is lost."""
+        if self._data_axis is None:
+            return super().run_training_step(program, batch)
+        stats = one_replica_tensor(self.run(program.replica_train_step, args=(batch,)), self.device)
+        stats = stats.detach().clone()
+        if not self._data_axis.counts_statistics:
+            stats.zero_()
+        voted = torch.cat([stats, stats.new_tensor([program.stop_vote()])])
+        return self.world.all_reduce(voted, name="step_statistics")
+
+    def clip_gradients(
+        self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
+    ) -> torch.Tensor:
+        """As :meth:`Strategy.clip_gradients`; with tensor parallelism the norm sums each ``DTensor``
+        gradient's shards over its tensor-parallel group (collective over the job)."""
+        if self._data_axis is None:
+            return super().clip_gradients(params, max_norm=max_norm, max_value=max_value)
+        norm = gradient_norm(params, self.device)
+        with_grad = [p for p in params if p.grad is not None]
+        # torch's foreach arithmetic takes DTensors or plain tensors in one call, not both.
+        clip_by_norm([p for p in with_grad if isinstance(p.grad, DTensor)], norm, max_norm, max_value)
+        clip_by_norm([p for p in with_grad if not isinstance(p.grad, DTensor)], norm, max_norm, max_value)
+        return norm
+
+    def check_precision(self, precision: str) -> None:
+        if self._data_axis is not None and precision == "fp16":
+            raise ValueError(
+                "MultiWorkerMirroredStrategy with tensor parallelism does not train in precision='fp16': "
+                "the loss scaler's overflow check would see each rank's shard of the gradient and could "
+                "skip a step on some ranks only (and torch's unscaling refuses DTensor and plain "
+                "gradients together); use 'bf16'"
+            )
+
+    def _state_layout(self) -> StateLayout:
+        return super()._state_layout() if self._data_axis is None else TensorParallelLayout(self)
 
     def close(self) -> None:
         self._step_hook.remove()

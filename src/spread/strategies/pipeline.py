@@ -379,6 +379,7 @@ class PipelineStrategy(Strategy):
             )
         _refuse_compiled_whole(model)
         self._check_meta_tensors(list(model.modules()))
+        self._check_new_parameters(list(model.parameters()))  # a tensor-parallel model, by name
         if self.named_split:
             assert self.split_points is not None
             check_split_points(model, self.split_points)  # refuse unknown module paths, now

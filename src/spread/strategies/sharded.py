@@ -86,6 +86,7 @@ from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy,
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
 from spread.strategies.sharded_meta import InitFn, materialise
 from spread.strategies.sharded_state import ShardedLayout
+from spread.strategies.tensor_parallel import refuse_dtensor_parameters
 
 SHARD_STAGES = ("optimizer", "gradients", "parameters")
 REDUCTIONS_IN_FLIGHT = 2  # gradient reductions a rank keeps open during backward
@@ -181,6 +182,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._init_fn: InitFn | None = None  # prepare_model's, while it runs
 
     # -- variables ---------------------------------------------------------------------------------
+    def _check_new_parameters(self, params: list[nn.Parameter]) -> None:
+        refuse_dtensor_parameters(
+            "ShardedStrategy", params, "ZeRO splits whole tensors over the processes", planned=True
+        )
+
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         tensors = [*params, *buffers]
         signature = [*_signature(tensors), sum(t.is_meta for t in tensors)]
