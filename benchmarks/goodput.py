@@ -116,6 +116,13 @@ def _spread_node(job: Job, node: int) -> list[list[str]]:
     return [[*command, str(HERE / "_goodput_spread.py"), *job.script_args()]]
 
 
+def _spread_recover_node(job: Job, node: int) -> list[list[str]]:
+    """As ``_spread_node``, and a lost node's peers regroup in memory instead of restarting."""
+    (command,) = _spread_node(job, node)
+    at = command.index("run") + 1
+    return [[*command[:at], "--recover", *command[at:]]]
+
+
 def _torchrun_node(job: Job, node: int) -> list[list[str]]:
     conf = f"last_call_timeout={job.last_call:g},join_timeout=300,is_host={int(node == 0)}"
     command = [job.python, "-m", "torch.distributed.run", "--nproc-per-node", str(job.nproc)]
@@ -155,6 +162,12 @@ MODES: dict[str, Mode] = {
             "spread-restart",
             "spread run --max-restarts + BackupAndRestore",
             _spread_node,
+            restart_pattern=r"spread run: (restarting \(attempt|machines wait to join the job)",
+        ),
+        Mode(
+            "spread-recover",
+            "spread run --recover (survivors regroup in memory) + BackupAndRestore when a node returns",
+            _spread_recover_node,
             restart_pattern=r"spread run: (restarting \(attempt|machines wait to join the job)",
         ),
         Mode(

@@ -912,8 +912,14 @@ def _attempts(job: _Launch) -> _Failure | None:
             except InterruptedError:
                 break
             except RendezvousFailed as exc:
-                relay.note(f"the rendezvous at {config.master_addr}:{config.master_port} failed: {exc}")
-                return failure or _Failure(-1, 1)
+                where = f"{config.master_addr}:{config.master_port}"
+                closed = "RendezvousClosedError" in str(exc)  # the job ended on the other machines
+                if restarts < config.max_restarts and not closed:  # a machine left mid-round: go on
+                    restarts += 1
+                    relay.note(f"the round at {where} failed ({exc}); joining the next one")
+                    continue
+                relay.note(f"the rendezvous at {where} failed: {exc}")
+                return failure if failure is not None and not failure.regroup else _Failure(-1, 1)
             relay.note(
                 f"round {round.attempt}: this machine is node {round.group_rank} of {round.nnodes}, "
                 f"ranks {round.rank_offset}-{round.rank_offset + config.nproc - 1} of {round.world_size}"
