@@ -43,7 +43,7 @@ def test_bad_settings_are_refused_with_the_reason(argv, message, capsys):
 def test_defaults_are_the_issue_s_schedule():
     args = goodput.parse_args([])
     assert (args.kill_every, args.back_after, args.kills) == (60.0, 20.0, 0)
-    assert args.modes == ["spread-restart", "torchrun-dcp", "torchft-ddp"]
+    assert args.modes == ["spread-restart", "spread-recover", "torchrun-dcp", "torchft-ddp"]
 
 
 def test_each_node_gets_its_own_cpus_or_none():
