@@ -131,6 +131,7 @@ CASES = [
     Case("custom_loop", ("-n", "2"), "examples/custom_loop.py", ("--steps", "20")),
     Case("pipeline", ("-n", "2"), "examples/pipeline.py", ("--epochs", "3")),
     Case("hf_gpt2", ("-n", "2"), "examples/hf_gpt2.py"),
+    Case("tensor_parallel", ("-n", "2"), "examples/tensor_parallel.py", ("--epochs", "1")),
     Case(
         "parameter_server",
         ("--workers", "2", "--ps", "2"),
