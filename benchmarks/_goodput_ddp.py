@@ -11,7 +11,6 @@ rank takes ``global batch / world size``), so a step is the same work in every m
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _goodput_workload import W1Data, mark_first_step, model_and_optimizer, save_weights
+from _goodput_workload import W1Data, mark_first_step, model_and_optimizer, save_weights, script_arguments
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -53,14 +52,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--batches", type=int, required=True)
-    parser.add_argument("--save-every", type=int, required=True)
-    parser.add_argument("--backup-dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--started", required=True, help="a file rank 0 creates after its first step")
-    parser.add_argument("--quick", action="store_true")
+    parser = script_arguments(__doc__.splitlines()[0])
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -9,10 +9,8 @@ round (the ranks back up on the launcher's SIGTERM, so that round loses no step)
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from _goodput_workload import W1Data, mark_first_step, model_and_optimizer, save_weights
+from _goodput_workload import W1Data, mark_first_step, model_and_optimizer, save_weights, script_arguments
 
 import spread
 from spread.callbacks import BackupAndRestore, Callback
@@ -32,14 +30,7 @@ class MarkFirstStep(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--batches", type=int, required=True)
-    parser.add_argument("--save-every", type=int, required=True)
-    parser.add_argument("--backup-dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--started", required=True, help="a file rank 0 creates after its first step")
-    parser.add_argument("--quick", action="store_true")
+    parser = script_arguments(__doc__.splitlines()[0])
     args = parser.parse_args()
     if args.steps % args.batches:
         parser.error(f"--steps {args.steps} is not a whole number of epochs of --batches {args.batches}")

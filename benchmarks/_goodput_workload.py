@@ -8,6 +8,7 @@ restart reaches it), and each replica takes its contiguous slice of that batch.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -60,3 +61,16 @@ def save_weights(model: nn.Module, path: str) -> None:
     partial = target.with_name(target.name + ".partial")
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, partial)
     os.replace(partial, target)
+
+
+def script_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments the harness gives every mode's training script."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--batches", type=int, required=True)
+    parser.add_argument("--save-every", type=int, required=True)
+    parser.add_argument("--backup-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--started", required=True, help="a file rank 0 creates after its first step")
+    parser.add_argument("--quick", action="store_true")
+    return parser

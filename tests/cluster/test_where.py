@@ -97,6 +97,25 @@ def _launcher_of(proc: subprocess.Popen, report: Path, timeout: float = 60) -> N
         time.sleep(0.05)
 
 
+def _dump_until_a_rank_waits(job: subprocess.Popen, env: dict, seconds: float) -> list[str]:
+    """``spread run --dump`` every 2 s until the report names a rank the others wait for."""
+    report: list[str] = []
+    deadline = time.monotonic() + seconds
+    while "never entered" not in "".join(report):
+        assert time.monotonic() < deadline, report
+        time.sleep(2)
+        asked = subprocess.run(
+            [sys.executable, "-m", "spread.cli.main", "run", "--dump", str(job.pid)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert asked.returncode == 0, asked.stderr
+        report = asked.stdout.splitlines()
+    return report
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_spread_run_dump_names_the_rank_the_job_waits_for(tmp_path: Path, private_reports: Path) -> None:
@@ -107,20 +126,7 @@ def test_spread_run_dump_names_the_rank_the_job_waits_for(tmp_path: Path, privat
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _launcher_of(job, private_reports / f"where-{job.pid}.txt")
-        report: list[str] = []
-        deadline = time.monotonic() + 60
-        while "never entered" not in "".join(report):  # until rank 0 waits in its collective
-            assert time.monotonic() < deadline, report
-            time.sleep(2)
-            asked = subprocess.run(
-                [sys.executable, "-m", "spread.cli.main", "run", "--dump", str(job.pid)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert asked.returncode == 0, asked.stderr
-            report = asked.stdout.splitlines()
+        report = _dump_until_a_rank_waits(job, env, seconds=60)
         assert report[0].startswith("where each rank is at ") and report[0].endswith("(asked by SIGUSR1):")
         assert report[1].startswith("rank 0 (pid ") and "waiting in gradient_exchange #" in report[1]
         assert "in backward of step 3" in report[1]
@@ -194,19 +200,7 @@ def test_dump_after_a_recovery_reports_the_regrouped_ranks(tmp_path: Path, priva
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _launcher_of(job, private_reports / f"where-{job.pid}.txt")
-        report: list[str] = []
-        deadline = time.monotonic() + 90
-        while "never entered" not in "".join(report):
-            assert time.monotonic() < deadline, report
-            time.sleep(2)
-            asked = subprocess.run(
-                [sys.executable, "-m", "spread.cli.main", "run", "--dump", str(job.pid)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            report = asked.stdout.splitlines()
+        report = _dump_until_a_rank_waits(job, env, seconds=90)
         assert report[1] == "(the job regrouped after losing ranks: 2 of 3 go on, numbered anew)", report
         assert len([line for line in report if line.startswith("rank ")]) == 2, report
         assert "rank 1 never entered gradient_exchange #" in report[-1], report

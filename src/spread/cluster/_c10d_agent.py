@@ -55,28 +55,10 @@ class _JobStore:
 
     def host(self, addr: str) -> tuple[str, int]:
         if self.address is None:
-            import socket
-            from datetime import timedelta
+            from spread.cluster.rendezvous import _host_store
 
-            import torch.distributed as dist
-
-            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((addr, 0))
-            listener.listen(128)
-            port = listener.getsockname()[1]
-            self.store = dist.TCPStore(
-                addr,
-                port,
-                None,
-                True,
-                timedelta(seconds=60),
-                wait_for_workers=False,
-                master_listen_fd=listener.fileno(),
-            )
-            listener.detach()  # the store owns the descriptor now
-            self.address = (addr, port)
+            self.store = _host_store(addr, 0, timeout=60.0)  # binds the socket itself: port 0, no race
+            self.address = (addr, self.store.port)
         return self.address
 
 
