@@ -29,6 +29,31 @@ def test_the_secret_is_made_once_readable_by_its_owner_only(secret: Path) -> Non
     assert secret.read_text().strip() not in first  # the secret itself never leaves the file
 
 
+def test_a_launcher_starting_while_another_makes_the_secret_reads_the_whole_one(
+    secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two machines' launchers on a shared home made the secret at the same moment: one read the file
+    the other had created but not yet written and refused it as too short (CI, stop 42). Here the
+    second launcher runs exactly inside the first one's making of the secret."""
+    import secrets
+
+    token_hex = secrets.token_hex
+    seen: list[str] = []
+    arrived = False
+
+    def second_launcher_arrives(nbytes: int | None = None) -> str:
+        nonlocal arrived
+        if nbytes == 32 and not arrived:
+            arrived = True
+            seen.append(shared_job_token("job-7"))  # the other launcher, mid-way through ours
+        return token_hex(nbytes)
+
+    monkeypatch.setattr(secrets, "token_hex", second_launcher_arrives)
+    first = shared_job_token("job-7")
+    assert seen == [first]  # both use the secret that reached the file first
+    assert [p.name for p in secret.parent.iterdir()] == ["secret"]  # no drafts left behind
+
+
 def test_the_environment_token_wins(secret: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPREAD_JOB_TOKEN", "from-the-scheduler")
     assert shared_job_token("job-7") == "from-the-scheduler"

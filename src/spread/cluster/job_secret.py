@@ -38,13 +38,21 @@ def _read_or_make(path: Path) -> bytes:
     """The user's secret, made (32 random bytes, mode 600) if absent; refused if others can read it."""
     if not path.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Written whole under a private name, then linked into place: a launcher starting at the same
+        # moment sees either no file or the full secret, never an empty one (link fails if it exists).
+        draft = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another node (shared home) or launcher made it first: use theirs
-            pass
-        else:
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(draft, path)
+            except FileExistsError:  # another node (shared home) or launcher made it first: use theirs
+                pass
+        finally:
+            draft.unlink(missing_ok=True)
     info = path.lstat()
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(
