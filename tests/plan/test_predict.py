@@ -677,3 +677,103 @@ def test_sharded_predicts_a_model_without_parameters_at_every_stage():
     for shard in ("optimizer", "gradients", "parameters"):
         p = predict(Candidate("sharded", 2, (("shard", shard),)), bare, _cluster(), Options(global_batch=100))
         assert p.parts["communication"] == 0.0 and p.step_seconds > 0
+
+
+def test_offloaded_shards_leave_the_device_and_cost_their_transfers_on_a_cpu():
+    # 2 processes: shards of 5 MB of parameters and gradients and 10 MB of Adam state. Beside a CPU the
+    # state is a memory-mapped file read and written once a step over the default 1 GB/s, 100 us path:
+    # 2 x 10.1 ms. "parameters" also moves the 5 MB parameter shard in before both gathers and the
+    # gradient shard out and back in: 4 x 5.1 ms more.
+    options = Options(global_batch=100)
+    plain = predict(Candidate("sharded", 2, (("shard", "parameters"),)), _profile(), _cluster(), options)
+    state = predict(
+        Candidate("sharded", 2, (("shard", "parameters"), ("offload", "optimizer"))),
+        _profile(),
+        _cluster(),
+        options,
+    )
+    assert state.candidate.label == "sharded[parameters offload=optimizer]"
+    assert (state.memory.parameters, state.memory.gradients, state.memory.optimizer) == (5 * MB, 5 * MB, 0.0)
+    assert state.memory.offloaded == 10 * MB
+    assert state.memory.total == pytest.approx(plain.memory.total - 10 * MB)
+    assert state.parts["offload"] == pytest.approx(2 * 0.0101)
+    assert state.step_seconds == pytest.approx(plain.step_seconds + 2 * 0.0101)
+    everything = predict(
+        Candidate("sharded", 2, (("shard", "parameters"), ("offload", "parameters"))),
+        _profile(),
+        _cluster(),
+        options,
+    )
+    assert (everything.memory.parameters, everything.memory.gradients) == (0.0, 0.0)
+    assert everything.memory.offloaded == 20 * MB
+    assert everything.parts["offload"] == pytest.approx(2 * 0.0101 + 4 * 0.0051)
+
+
+def test_offload_beside_an_accelerator_updates_on_the_host():
+    # The update touches 2 x (5 + 5 + 10) MB of host memory at 4 GB/s (10 ms) instead of the device's
+    # 5 ms; the gradient shard goes out and the parameter shard comes back over 16 GB/s.
+    options = Options(global_batch=100)
+    gpu = _cluster(cores_per_node=None)
+    p = predict(
+        Candidate("sharded", 2, (("shard", "parameters"), ("offload", "optimizer"))), _profile(), gpu, options
+    )
+    assert p.parts["optimizer"] == pytest.approx(2 * 20 * MB / 4e9)
+    assert p.parts["offload"] == pytest.approx(2 * (1e-5 + 5 * MB / 16e9))
+
+
+def test_offload_is_recommended_when_only_it_fits():
+    # Per process: sharded parameters 27.7 MB (5 + 5 + 10 of state, 0.2 of activations, 7.5 of
+    # gathered units); the optimizer's shard offloaded 17.7 MB; everything offloaded 7.7 MB.
+    plan = make_plan(_profile(), _cluster(memory_per_device=20 * MB), Options(global_batch=100), ("sharded",))
+    assert plan.recommended.candidate.label == "sharded[parameters offload=optimizer]"
+    assert plan.recommended.memory.total == pytest.approx(17.7 * MB)
+    assert "does not fit in memory" in plan.reason
+    tighter = make_plan(
+        _profile(), _cluster(memory_per_device=10 * MB), Options(global_batch=100), ("sharded",)
+    )
+    assert tighter.recommended.candidate.label == "sharded[parameters offload=parameters]"
+
+
+def test_hybrid_sharding_gathers_inside_a_node_and_reduces_across():
+    # 2 nodes x 2 processes, a network 10x slower than the node's link. Full sharding over 4: every
+    # gather and reduce-scatter crosses the network (3/4 of a 2.5 MB unit at 10 MB/s: 187.5 ms, 12 of
+    # them). Groups of 2: inside the node (12.5 ms each), plus an all-reduce of each unit's reduced
+    # half across the 2 groups (1.25 MB at 10 MB/s: 125 ms, 4 of them).
+    cluster = _cluster(nodes=2, inter=Link(0.0, 1e7))
+    options = Options(global_batch=100)
+    full = predict(Candidate("sharded", 4, (("shard", "parameters"),)), _profile(), cluster, options)
+    hybrid = predict(
+        Candidate("sharded", 4, (("shard", "parameters"), ("group", 2))), _profile(), cluster, options
+    )
+    assert full.parts["communication"] == pytest.approx(12 * 0.1875)
+    assert hybrid.parts["communication"] == pytest.approx(12 * 0.0125 + 4 * 0.125)
+    # a group of 2 holds half of everything, where 4 hold a quarter
+    assert (hybrid.memory.parameters, hybrid.memory.optimizer) == (5 * MB, 10 * MB)
+    assert (full.memory.parameters, full.memory.optimizer) == (2.5 * MB, 5 * MB)
+    assert make_plan(_profile(), cluster, options, ("sharded",)).recommended.candidate.label == (
+        "sharded[parameters group=2]"
+    )
+
+
+def test_hybrid_groups_predicted_are_proper_divisors_within_a_node():
+    def groups(cluster: ClusterModel) -> list[int]:
+        found = candidates(_profile(), cluster, Options(global_batch=96), ("sharded",))
+        return [c.get("group") for c in found if c.get("group") is not None]
+
+    assert groups(_cluster(devices_per_node=8, cores_per_node=8)) == [2, 4]
+    assert groups(_cluster(devices_per_node=2)) == []
+    assert groups(_cluster(nodes=3, devices_per_node=4, cores_per_node=4)) == [2, 4]
+
+
+def test_bad_hybrid_and_offload_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="group must divide the 4 processes, got group=3"):
+        predict(
+            Candidate("sharded", 4, (("shard", "parameters"), ("group", 3))),
+            _profile(),
+            _cluster(),
+            Options(8),
+        )
+    with pytest.raises(ValueError, match="offload must be None, 'optimizer' or 'parameters', got 'disk'"):
+        sharded_memory(1.0, 1.0, 0.0, 1, n=2, shard="parameters", largest_unit_bytes=0.0, offload="disk")
+    with pytest.raises(ValueError, match='offload="parameters" needs shard="parameters"'):
+        sharded_memory(1.0, 1.0, 0.0, 1, n=2, shard="optimizer", largest_unit_bytes=0.0, offload="parameters")

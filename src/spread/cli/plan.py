@@ -244,6 +244,7 @@ def _as_json(plan: Any) -> dict[str, Any]:
                 "samples_per_second": p.samples_per_second,
                 "scaling_efficiency": p.scaling_efficiency,
                 "memory_bytes": p.memory.total,
+                "offloaded_bytes": p.memory.offloaded,  # off the device: host memory, or a file on a CPU
                 "activation_bytes": p.memory.activations,  # MemoryReport.activation_bytes, predicted
                 "fits": p.fits,
                 "note": p.note,

@@ -25,6 +25,11 @@ DEFAULT_INTRA = {
     "ps": Link(alpha=1e-4, beta=1.2e9),  # one push on the parameter servers' transport
 }
 DEFAULT_INTER = Link(alpha=5e-5, beta=1.25e9)
+# Where ShardedStrategy(offload=...) keeps its shards: host memory over PCIe beside an accelerator
+# (about 16 GB/s one way), a memory-mapped file beside a CPU (the page cache while it has room; a
+# local SSD's 1 GB/s is the conservative figure once the state no longer fits in memory).
+DEFAULT_OFFLOAD_ACCELERATOR = Link(alpha=1e-5, beta=16e9)
+DEFAULT_OFFLOAD_CPU = Link(alpha=1e-4, beta=1e9)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class ClusterModel:
     busy_handoff: float = 0.0  # seconds to wake a waiting process when every core is busy (CPU)
     shard_unit_seconds: float = 0.0  # a ShardedStrategy "parameters" unit's step cost beyond bytes
     cores_per_node: int | None = None  # CPU devices: processes on a node share these cores
+    offload_link: Link | None = None  # where offloaded shards live (None: the default for the device)
     source: str = "defaults"
 
     def __post_init__(self) -> None:
@@ -91,6 +97,19 @@ class ClusterModel:
         if self.nodes == 1:
             return self.intra[algorithm]
         return self.inter_by_algorithm.get(algorithm, self.inter)
+
+    def offload_path(self) -> Link:
+        """The link ShardedStrategy(offload=...) moves its shards over, each way, every step."""
+        if self.offload_link is not None:
+            return self.offload_link
+        return DEFAULT_OFFLOAD_CPU if self.cores_per_node is not None else DEFAULT_OFFLOAD_ACCELERATOR
+
+    def shard_group_link(self, group: int) -> Link:
+        """The link a shard group of ``group`` processes gathers and reduce-scatters on: the node's
+        own while the group fits in one node (hybrid sharding's point), else the network's."""
+        if self.nodes == 1 or group <= self.devices_per_node:
+            return self.intra.get("shard", self.intra["native"])
+        return self.shard_link()
 
     def shard_link(self) -> Link:
         """The link ShardedStrategy's reduce-scatters and all-gathers run on: their own calibrated

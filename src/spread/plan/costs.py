@@ -277,6 +277,9 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     buffers: float = 0.0
+    # Kept off the device by ShardedStrategy(offload=...): in host memory beside an accelerator, on
+    # disk (memory-mapped) beside a CPU. Not part of ``total``: that is what must fit the device.
+    offloaded: float = 0.0
 
     @property
     def total(self) -> float:
@@ -313,25 +316,39 @@ def sharded_memory(
     n: int,
     shard: str,
     largest_unit_bytes: float,
+    offload: str | None = None,
 ) -> MemoryBreakdown:
-    """Memory of one ShardedStrategy rank: the optimizer state is always split ``n`` ways; at
-    ``"gradients"`` the gradients too, at ``"parameters"`` the parameters too. ``parameters``,
-    ``gradients`` and ``optimizer`` are what :meth:`~spread.Strategy.memory_report` measures after a
-    step; ``buffers`` the transient: one block's packed gradients in flight, and at ``"parameters"``
-    the gathered units (the one computing, the next prefetched)."""
+    """Memory of one ShardedStrategy rank: the optimizer state is always split ``n`` ways (``n``: the
+    processes of one shard group, all of them without hybrid sharding); at ``"gradients"`` the
+    gradients too, at ``"parameters"`` the parameters too. ``parameters``, ``gradients`` and
+    ``optimizer`` are what :meth:`~spread.Strategy.memory_report` measures after a step; ``buffers``
+    the transient: one block's packed gradients in flight, and at ``"parameters"`` the gathered units
+    (the one computing, the next prefetched). ``offload="optimizer"`` moves the optimizer's shard off
+    the device, ``"parameters"`` the parameter and gradient shards too (``offloaded``)."""
     if shard not in ("optimizer", "gradients", "parameters"):
         raise ValueError(f"shard must be 'optimizer', 'gradients' or 'parameters', got {shard!r}")
+    if offload not in (None, "optimizer", "parameters"):
+        raise ValueError(f"offload must be None, 'optimizer' or 'parameters', got {offload!r}")
+    if offload == "parameters" and shard != "parameters":
+        raise ValueError('offload="parameters" needs shard="parameters"')
     # Below "parameters" the optimizer's shards are views of the model's full parameters; at
     # "optimizer" the gradients stay whole (the all-reduced buffer the shards' gradients view).
     params = param_bytes / n if shard == "parameters" else param_bytes
     grads = param_bytes if shard == "optimizer" else param_bytes / n
     buffers = 3 * largest_unit_bytes if shard == "parameters" else largest_unit_bytes
+    optimizer = optimizer_bytes / n
+    offloaded = 0.0
+    if offload is not None:
+        offloaded, optimizer = optimizer, 0.0
+    if offload == "parameters":
+        offloaded, params, grads = offloaded + params + grads, 0.0, 0.0
     return MemoryBreakdown(
         parameters=params,
         gradients=grads,
-        optimizer=optimizer_bytes / n,
+        optimizer=optimizer,
         activations=activation_bytes_per_sample * batch_per_replica,
         buffers=buffers,
+        offloaded=offloaded,
     )
 
 

@@ -87,6 +87,9 @@ class Candidate:
             inner = f"S={settings['stages']} M={settings['microbatches']} {settings.get('schedule', '1f1b')}"
         elif self.strategy == "parameter_server":
             inner = f"servers={settings['servers']}" + (" sync" if settings.get("mode") == "sync" else "")
+        elif self.strategy == "sharded":  # sharded[parameters], sharded[parameters group=2]
+            extra = [f"{k}={v}" for k, v in self.settings if k != "shard"]
+            inner = " ".join([str(settings.get("shard", "parameters")), *extra])
         else:
             inner = " ".join(str(v) for v in settings.values())
         return f"{self.strategy}[{inner}]" if inner else self.strategy
@@ -314,8 +317,16 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     (:func:`prefetched_exposure`: a unit's gather hides only behind the compute just before it).
     Each unit also costs the calibration's ``shard_unit_seconds`` beyond its bytes (buffers allocated
     and packed, the ranks meeting three times between compute), and each of its two waits, with more
-    processes than cores, a wake-up (``busy_handoff``), as a pipeline stage's do."""
+    processes than cores, a wake-up (``busy_handoff``), as a pipeline stage's do.
+
+    Hybrid sharding (``group``: processes per shard group, fewer than all): gathers and
+    reduce-scatters run inside a group, on the node's own link while a group fits in a node, and each
+    block's reduced ``1/group`` is all-reduced across the ``n / group`` groups. Offload
+    (:func:`_offload_seconds`) adds its transfers, not hidden behind compute."""
     n, shard = c.devices, c.get("shard", "parameters")
+    group, offload = c.get("group", n), c.get("offload")
+    if not isinstance(group, int) or group < 1 or n % group:
+        raise ValueError(f"a shard group must divide the {n} processes, got group={group!r}")
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
     compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node, synchronous=True)
@@ -327,15 +338,18 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         blocks = [p.layers[i].param_bytes for i in unit_layers] or whole
     else:
         blocks = bucket_sizes(p.param_bytes, o.bucket_bytes)
-    link = cl.shard_link()
+    link = cl.shard_group_link(group)
     sliced = _core_share(cl, per_node, None)[1] * cl.collective_in_step  # as for data parallelism
     if shard == "optimizer":
         reductions = [allreduce_time("native", b, n, cl.link("native")) * sliced for b in blocks]
     else:
-        reductions = [shard_collective_time(b, n, link) * sliced for b in blocks]
+        reductions = [
+            (shard_collective_time(b, group, link) + _allreduce(cl, "native", b / group, n // group)) * sliced
+            for b in blocks
+        ]
     ready = bucket_ready_fractions(blocks, p.gradient_arrival)
     exposed_reduce = exposed_communication(backward, reductions, cl.overlap, ready)
-    gathered = [shard_collective_time(b, n, link) * sliced for b in blocks]
+    gathered = [shard_collective_time(b, group, link) * sliced for b in blocks]
     if shard == "parameters":
         micro_batch = local / o.accumulation_steps
         forward_windows, backward_windows = _unit_windows(
@@ -351,17 +365,21 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         gathers = 2 * sum(gathered) * o.accumulation_steps
     else:
         gathers = exposed_gather = sum(gathered)
-    opt = _optimizer(p, cl, per_node, per_node) / n
+    opt = _optimizer(p, cl, per_node, per_node) / group
+    moved = 0.0
+    if offload is not None:
+        opt, moved = _offload_seconds(p, cl, group, offload, opt, o.accumulation_steps)
     exposed_reduce += _meetings(p, cl, n, per_node)
-    step = compute + exposed_reduce + exposed_gather + opt
+    step = compute + exposed_reduce + exposed_gather + opt + moved
     memory = sharded_memory(
         p.param_bytes,
         p.optimizer_bytes,
         _activations_per_sample(p, o),
         math.ceil(local / o.accumulation_steps),
-        n=n,
+        n=group,
         shard=shard,
         largest_unit_bytes=max(blocks, default=0.0),
+        offload=offload,
     )
     note = (
         f"{sum(reductions) * 1e3:.1f} ms of gradient reduction and {gathers * 1e3:.1f} ms of parameter "
@@ -373,7 +391,34 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
         "exposed": exposed_reduce + exposed_gather,
         "optimizer": opt,
     }
+    if offload is not None:
+        note += f"; {moved * 1e3:.1f} ms moving offloaded shards"
+        parts["offload"] = moved
     return step, o.global_batch / step, memory, note, parts
+
+
+def _offload_seconds(
+    p: ModelProfile, cl: ClusterModel, group: int, offload: str, device_update: float, k: int
+) -> tuple[float, float]:
+    """``(optimizer seconds, transfer seconds)`` per step of ShardedStrategy(offload=...).
+
+    Beside an accelerator the shards live in host memory: the gradient shard goes out and the updated
+    parameter shard comes back over ``cl.offload_path()``, and the update runs on the host, timed as
+    the memory it touches (parameters, gradients, state, read and written) at the host's
+    ``server_apply_bytes_per_s``. Beside a CPU the update is where it was, but its state is a
+    memory-mapped file, read and written back once a step. With ``"parameters"`` the parameter shard
+    also comes in before each of a unit's two gathers, for each of the ``k`` micro-steps, and the
+    gradient shard goes out and back in for the update.
+    """
+    path, params, state = cl.offload_path(), p.param_bytes / group, p.optimizer_bytes / group
+    if cl.cores_per_node is None:  # an accelerator
+        update = 2 * (2 * params + state) / cl.server_apply_bytes_per_s
+        moved = 2 * path.time(params)
+    else:
+        update, moved = device_update, 2 * path.time(state)
+    if offload == "parameters":
+        moved += 2 * k * path.time(params) + 2 * path.time(params)
+    return update, moved
 
 
 def _unit_windows(
@@ -572,6 +617,13 @@ def candidates(
                 out.append(Candidate("parameter_server", d, (("servers", servers),)))
     if "sharded" in strategies:
         out.extend(Candidate("sharded", d, (("shard", s),)) for s in ("optimizer", "gradients", "parameters"))
+        out.extend(
+            Candidate("sharded", d, (("shard", "parameters"), ("offload", where)))
+            for where in ("optimizer", "parameters")
+        )
+        out.extend(
+            Candidate("sharded", d, (("shard", "parameters"), ("group", g))) for g in _hybrid_groups(cluster)
+        )
     if "pipeline" in strategies and len(profile.layers) >= 2:
         for stages in (2, 4, 8, 16):
             if stages > len(profile.layers) or d % stages:
@@ -584,3 +636,12 @@ def candidates(
                     settings = (("stages", stages), ("microbatches", micro), ("schedule", schedule))
                     out.append(Candidate("pipeline", d, settings))
     return out
+
+
+def _hybrid_groups(cluster: ClusterModel) -> list[int]:
+    """Shard-group sizes worth predicting: every proper divisor of the processes from 2 up; once there
+    are several nodes, only groups that tile a node (a group across nodes gathers over the network:
+    what hybrid sharding avoids)."""
+    if cluster.nodes == 1:
+        return [g for g in range(2, cluster.devices) if cluster.devices % g == 0]
+    return [g for g in range(2, cluster.devices_per_node + 1) if cluster.devices_per_node % g == 0]
