@@ -743,7 +743,10 @@ def test_hybrid_sharding_gathers_inside_a_node_and_reduces_across():
     options = Options(global_batch=100)
     full = predict(Candidate("sharded", 4, (("shard", "parameters"),)), _profile(), cluster, options)
     hybrid = predict(
-        Candidate("sharded", 4, (("shard", "parameters"), ("group", 2))), _profile(), cluster, options
+        Candidate("sharded", 4, (("shard", "parameters"), ("shard_group_size", 2))),
+        _profile(),
+        cluster,
+        options,
     )
     assert full.parts["communication"] == pytest.approx(12 * 0.1875)
     assert hybrid.parts["communication"] == pytest.approx(12 * 0.0125 + 4 * 0.125)
@@ -751,14 +754,14 @@ def test_hybrid_sharding_gathers_inside_a_node_and_reduces_across():
     assert (hybrid.memory.parameters, hybrid.memory.optimizer) == (5 * MB, 10 * MB)
     assert (full.memory.parameters, full.memory.optimizer) == (2.5 * MB, 5 * MB)
     assert make_plan(_profile(), cluster, options, ("sharded",)).recommended.candidate.label == (
-        "sharded[parameters group=2]"
+        "sharded[parameters shard_group_size=2]"
     )
 
 
 def test_hybrid_groups_predicted_are_proper_divisors_within_a_node():
     def groups(cluster: ClusterModel) -> list[int]:
         found = candidates(_profile(), cluster, Options(global_batch=96), ("sharded",))
-        return [c.get("group") for c in found if c.get("group") is not None]
+        return [c.get("shard_group_size") for c in found if c.get("shard_group_size") is not None]
 
     assert groups(_cluster(devices_per_node=8, cores_per_node=8)) == [2, 4]
     assert groups(_cluster(devices_per_node=2)) == []
@@ -766,9 +769,11 @@ def test_hybrid_groups_predicted_are_proper_divisors_within_a_node():
 
 
 def test_bad_hybrid_and_offload_settings_are_refused_by_name():
-    with pytest.raises(ValueError, match="group must divide the 4 processes, got group=3"):
+    with pytest.raises(
+        ValueError, match="shard_group_size must divide the 4 processes, got shard_group_size=3"
+    ):
         predict(
-            Candidate("sharded", 4, (("shard", "parameters"), ("group", 3))),
+            Candidate("sharded", 4, (("shard", "parameters"), ("shard_group_size", 3))),
             _profile(),
             _cluster(),
             Options(8),

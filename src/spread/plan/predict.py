@@ -87,7 +87,7 @@ class Candidate:
             inner = f"S={settings['stages']} M={settings['microbatches']} {settings.get('schedule', '1f1b')}"
         elif self.strategy == "parameter_server":
             inner = f"servers={settings['servers']}" + (" sync" if settings.get("mode") == "sync" else "")
-        elif self.strategy == "sharded":  # sharded[parameters], sharded[parameters group=2]
+        elif self.strategy == "sharded":  # sharded[parameters], sharded[parameters shard_group_size=2]
             extra = [f"{k}={v}" for k, v in self.settings if k != "shard"]
             inner = " ".join([str(settings.get("shard", "parameters")), *extra])
         else:
@@ -319,14 +319,14 @@ def _sharded(c: Candidate, p: ModelProfile, cl: ClusterModel, o: Options):
     and packed, the ranks meeting three times between compute), and each of its two waits, with more
     processes than cores, a wake-up (``busy_handoff``), as a pipeline stage's do.
 
-    Hybrid sharding (``group``: processes per shard group, fewer than all): gathers and
+    Hybrid sharding (``shard_group_size``: processes per shard group, fewer than all): gathers and
     reduce-scatters run inside a group, on the node's own link while a group fits in a node, and each
     block's reduced ``1/group`` is all-reduced across the ``n / group`` groups. Offload
     (:func:`_offload_seconds`) adds its transfers, not hidden behind compute."""
     n, shard = c.devices, c.get("shard", "parameters")
-    group, offload = c.get("group", n), c.get("offload")
+    group, offload = c.get("shard_group_size", n), c.get("offload")
     if not isinstance(group, int) or group < 1 or n % group:
-        raise ValueError(f"a shard group must divide the {n} processes, got group={group!r}")
+        raise ValueError(f"shard_group_size must divide the {n} processes, got shard_group_size={group!r}")
     local = o.global_batch / n
     per_node = min(n, cl.devices_per_node)
     compute = _compute(p, cl, local, per_node, o.accumulation_steps, concurrent=per_node, synchronous=True)
@@ -622,7 +622,8 @@ def candidates(
             for where in ("optimizer", "parameters")
         )
         out.extend(
-            Candidate("sharded", d, (("shard", "parameters"), ("group", g))) for g in _hybrid_groups(cluster)
+            Candidate("sharded", d, (("shard", "parameters"), ("shard_group_size", g)))
+            for g in _hybrid_groups(cluster)
         )
     if "pipeline" in strategies and len(profile.layers) >= 2:
         for stages in (2, 4, 8, 16):
