@@ -387,6 +387,9 @@ class BeforeBackup(Callback):  # runs before BackupAndRestore's save of the same
         ids = ",".join(map(str, self.trainer.model.ids))  # applied by this step's optimizer update
         say(f"IDS attempt={attempt} rank={rank} step={self.trainer.global_step} ids={ids}")
         # the save at crash_step dies at crash_point
+        if armed and cfg.get("crash_point") and self.trainer.global_step == cfg["crash_step"]:
+            # the previous backup, if still written in the background, is not the one to crash
+            self.trainer.strategy.wait_for_checkpoint()
         if armed and rank == 0 and cfg.get("crash_point") and self.trainer.global_step == cfg["crash_step"]:
             say(f"CHAOS attempt={attempt} rank={rank} step={self.trainer.global_step} "
                   f"mode=crash_point:{cfg['crash_point']} t={time.time():.6f}")
@@ -402,7 +405,8 @@ with strategy.scope():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 save_freq = cfg.get("save_freq", 4)
 keep = cfg.get("keep_backup", False)
-backup = BackupAndRestore(backup_dir, save_freq=save_freq, delete_checkpoint=not keep)
+backup = BackupAndRestore(backup_dir, save_freq=save_freq, delete_checkpoint=not keep,
+                          async_save=cfg.get("async_save", True))
 trainer = spread.Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy=strategy,
                          callbacks=[BeforeBackup(), backup, Chaos()])
 trainer.fit((x, y), epochs=3, global_batch_size=32, verbose=0)
@@ -608,7 +612,8 @@ def test_sigkill_a_worker_restart_and_resume_equals_the_uninterrupted_run(tmp_pa
     assert "CHAOS attempt=0 rank=1 step=11 mode=sigkill" in run.log
     _assert_exact(run, uninterrupted)
     figures = _recovery(run)
-    assert figures["steps_recomputed"] <= 4 and figures["attempts"] == 2
+    # backups every 4 steps, written in the background: the one of step 8 may still be in flight
+    assert figures["restored_step"] in (4, 8) and figures["attempts"] == 2
 
 
 @pytest.mark.processes
@@ -619,20 +624,33 @@ def test_r1_sigkill_one_of_four_workers(tmp_path):
     assert "CHAOS attempt=0 rank=2 step=6 mode=sigkill" in run.log
     _assert_exact(run, reference)
     figures = _recovery(run)
-    assert figures["steps_recomputed"] == 2 and figures["attempts"] == 2
+    # the backup of step 4 may still be in flight at the kill (asynchronous backups)
+    assert figures["steps_recomputed"] in (2, 6) and figures["attempts"] == 2
 
 
-# R2: kill points. (chaos, restored step): the step the restarted group resumes from.
+# R2: kill points. (chaos, restored steps): the step the restarted group may resume from. Backups
+# are asynchronous by default: a kill while the newest backup is still being written in the
+# background costs that backup (never the one before), so a kill soon after a backup resumes from it
+# or from the one before; a crash point inside the write itself is deterministic.
 R2_POINTS = {
-    "step0": ({"mode": "sigkill", "step": 0, "ranks": [1], "hook": "batch_begin"}, 0),
-    "last_step": ({"mode": "sigkill", "step": 21, "ranks": [0]}, 20),
+    "step0": ({"mode": "sigkill", "step": 0, "ranks": [1], "hook": "batch_begin"}, {0}),
+    "last_step": ({"mode": "sigkill", "step": 21, "ranks": [0]}, {16, 20}),
+    "last_step_synchronous": ({"mode": "sigkill", "step": 21, "ranks": [0], "async_save": False}, {20}),
     "epoch_boundary": (
         {"mode": "sigkill", "step": 14, "ranks": [1], "hook": "epoch_begin", "save_freq": "epoch"},
-        14,
+        {7, 14},
     ),
-    "epoch_end_before_on_epoch_end": ({"mode": "sigkill", "step": 14, "ranks": [1], "save_freq": 7}, 14),
-    "save_after_manifest": ({"crash_point": "after_manifest", "crash_step": 12}, 8),
-    "save_after_pointer": ({"crash_point": "after_pointer", "crash_step": 12}, 12),
+    "epoch_end_before_on_epoch_end": (
+        {"mode": "sigkill", "step": 14, "ranks": [1], "save_freq": 7, "async_save": False},
+        {14},
+    ),
+    "save_after_shard_write": ({"crash_point": "after_shard_write", "crash_step": 12}, {8}),
+    "save_after_manifest": ({"crash_point": "after_manifest", "crash_step": 12}, {8}),
+    "save_after_manifest_synchronous": (
+        {"crash_point": "after_manifest", "crash_step": 12, "async_save": False},
+        {8},
+    ),
+    "save_after_pointer": ({"crash_point": "after_pointer", "crash_step": 12}, {12}),
 }
 
 
@@ -642,7 +660,7 @@ def test_r2_kill_points(tmp_path, uninterrupted, point):
     chaos, restored = R2_POINTS[point]
     run = _launch(tmp_path, chaos)
     assert len(run.events("CHAOS")) == 1, run.log[-3000:]
-    assert run.restored(1) == restored
+    assert run.restored(1) in restored
     _assert_exact(run, uninterrupted)
     figures = _recovery(run)
     assert figures["attempts"] == 2

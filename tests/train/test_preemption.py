@@ -75,9 +75,9 @@ def test_sigterm_during_a_backup_lets_it_finish_and_writes_no_second_one(tmp_pat
     strategy = spread.OneDeviceStrategy()
     original_save = strategy.save_checkpoint
 
-    def save_with_sigterm(path, state, *, step, keep):
-        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the backup of step 5 is being written
-        return original_save(path, state, step=step, keep=keep)
+    def save_with_sigterm(path, state, *, step, keep, blocking):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the backup of step 5 is being taken
+        return original_save(path, state, step=step, keep=keep, blocking=blocking)
 
     strategy.save_checkpoint = save_with_sigterm  # type: ignore[method-assign]
     with pytest.raises(TrainingPreempted) as info:

@@ -74,7 +74,12 @@ class CheckpointManager:
 
     # -- writing -------------------------------------------------------------------------------------
     def save(
-        self, step: int, state: dict[str, Any], *, shards: Mapping[str, torch.Tensor] | None = None
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        shards: Mapping[str, torch.Tensor] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> Path:
         """Write ``state`` as the checkpoint of ``step`` and point ``latest`` at it.
 
@@ -83,9 +88,12 @@ class CheckpointManager:
         rank of the default process group must make it; every rank's shards go through
         ``torch.distributed.checkpoint`` into the same temporary directory, the chief adds ``state``
         (the replicated part, written once; other ranks' ``state`` is ignored) and commits.
+        ``group``: the process group of those collectives (default: the default group); a save on a
+        background thread passes a group of its own, so that its collectives never run concurrently
+        with the training loop's on the same group (:mod:`spread.checkpoint.background`).
         """
         if shards is not None:
-            return self._save_with_shards(step, state, shards)
+            return self._save_with_shards(step, state, shards, group)
         _check_finite(state, step)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.remove_stale_temporaries()
@@ -102,8 +110,14 @@ class CheckpointManager:
         self._publish(final)
         return final
 
-    def _save_with_shards(self, step: int, state: dict[str, Any], shards: Mapping[str, torch.Tensor]) -> Path:
-        collectives = Collectives() if dist.is_initialized() else None
+    def _save_with_shards(
+        self,
+        step: int,
+        state: dict[str, Any],
+        shards: Mapping[str, torch.Tensor],
+        group: dist.ProcessGroup | None,
+    ) -> Path:
+        collectives = Collectives(group) if dist.is_initialized() else None
         rank = collectives.rank if collectives is not None else 0
         finite = _is_finite(shards) and (rank != 0 or _is_finite(state))
         if collectives is not None:
@@ -120,7 +134,7 @@ class CheckpointManager:
         if collectives is not None:
             collectives.barrier(name="checkpoint.prepare")
         try:
-            save_shards(tmp, rank, shards)  # collective: each rank its file, the coordinator .metadata
+            save_shards(tmp, rank, shards, group)  # collective: each rank its file, the coordinator .metadata
             if rank == 0:
                 write_file(state, tmp / STATE_FILE, shown_as=final / STATE_FILE)
                 crash_point("after_shard_write")

@@ -137,8 +137,11 @@ def _check_tensors(shards: Mapping[str, object]) -> None:
             )
 
 
-def save_shards(directory: Path, rank: int, shards: Mapping[str, torch.Tensor]) -> None:
-    """Write this rank's tensors into ``directory`` with DCP; collective when a process group exists.
+def save_shards(
+    directory: Path, rank: int, shards: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None
+) -> None:
+    """Write this rank's tensors into ``directory`` with DCP; collective (over ``group``, default the
+    default group) when a process group exists.
     A ``DTensor`` value is this rank's piece of a tensor split over the ranks: every rank must pass
     one under that key, and each writes only its own piece."""
     _check_tensors(shards)
@@ -147,6 +150,7 @@ def save_shards(directory: Path, rank: int, shards: Mapping[str, torch.Tensor]) 
         dcp.save(
             state,
             storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True),
+            process_group=group,
             no_dist=not dist.is_initialized(),
         )
 

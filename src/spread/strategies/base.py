@@ -498,7 +498,7 @@ class Strategy(abc.ABC):
         self._state_layout().load_full_state_dict(obj, state)
 
     def save_checkpoint(
-        self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3
+        self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3, blocking: bool = True
     ) -> Path:
         """Write ``state`` as checkpoint ``step`` under the directory ``path``; keep the newest ``keep``.
 
@@ -508,8 +508,34 @@ class Strategy(abc.ABC):
         pieces per rank, gathered stages, servers' shards); the write is atomic and checksummed
         (:mod:`spread.strategies.checkpointing`). Collective: every rank calls it with the same keys;
         it returns on every rank once the checkpoint is durable, and raises on every rank if not.
+
+        ``blocking=False``: the state is copied off the training state here (the step boundary:
+        gathered where the layout gathers, tensors cloned to host memory) and written on a
+        background thread, with the same atomic commit; the call returns the checkpoint's path at
+        once. At most one write is in flight: the next save, or :meth:`wait_for_checkpoint`, waits
+        for it and raises its failure on every rank. A crash during the background write leaves
+        the previous checkpoint as ``latest``.
         """
-        return checkpointing.save(self, path, state, step=step, keep=keep)
+        return checkpointing.save(self, path, state, step=step, keep=keep, blocking=blocking)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint written in the background (``save_checkpoint(...,
+        blocking=False)``) is committed; raise on every rank if it failed on one. Collective when a
+        background save was made since the last wait (every rank calls it; a no-op otherwise)."""
+        self._async_checkpoints.confirm(self)
+
+    def finish_checkpoint_writes(self) -> None:
+        """Wait for a checkpoint written in the background, on this rank only (no collective: for
+        leaving ``fit`` by an exception, when peers may be gone); its failure is warned about rather
+        than raised over the exception in flight."""
+        self._async_checkpoints.finish()
+
+    @property
+    def _async_checkpoints(self) -> checkpointing.AsyncCheckpoints:
+        found = self.__dict__.get("_async_checkpoint_writes")
+        if found is None:
+            found = self.__dict__["_async_checkpoint_writes"] = checkpointing.AsyncCheckpoints()
+        return found
 
     def load_checkpoint(
         self, path: str | Path, state: MutableMapping[str, Any], *, step: int | None = None
@@ -519,7 +545,9 @@ class Strategy(abc.ABC):
         there is no checkpoint. A corrupt checkpoint is skipped with a warning for an older one; one
         that does not fit (other shapes, another kind of strategy, a replica count this strategy
         cannot resume at) raises :class:`~spread.errors.CheckpointMismatchError` listing every
-        difference before anything is overwritten. Every rank calls it."""
+        difference before anything is overwritten. Every rank calls it. A checkpoint still being
+        written in the background is committed first (:meth:`wait_for_checkpoint`)."""
+        self.wait_for_checkpoint()
         return checkpointing.load(self, path, state, step=step)
 
     def delete_checkpoints(self, path: str | Path) -> None:

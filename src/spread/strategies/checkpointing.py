@@ -19,17 +19,23 @@ layout. The format is versioned (``FORMAT``); a checkpoint of an older spread is
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from spread.checkpoint import CheckpointManager
+from spread.checkpoint.background import BackgroundWriter
 from spread.checkpoint.compat import optimizer_mismatches, raise_if, tensor_mismatches
 from spread.checkpoint.manager import SHARDS_KEY
+from spread.cluster.rendezvous import default_collective_timeout
+from spread.comm.ops import destroy_group
 from spread.errors import CheckpointMismatchError, PeerFailedError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -181,13 +187,42 @@ def save(
     step: int,
     keep: int,
     writes: bool | None = None,
+    blocking: bool = True,
 ) -> Path:
     """Write ``state`` as the checkpoint of ``step`` under ``path`` (collective: every rank calls it
     with the same keys in the same order); returns on every rank once it is durable, and raises on
     every rank when it could not be written. ``writes``: whether this rank writes the replicated
-    state (default: the chief; a parameter-server task writing its own part passes True)."""
+    state (default: the chief; a parameter-server task writing its own part passes True).
+
+    ``blocking=False``: gather the state and copy it off the training state here (the step
+    boundary), write and commit it on a background thread (:class:`AsyncCheckpoints`), and return
+    the checkpoint's final path at once. A write still in flight from an earlier call finishes
+    first, and its failure is raised here, on every rank (as a blocking save's would be)."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    background = strategy._async_checkpoints
+    background.confirm(strategy)  # the previous background write, if any, committed on every rank
+    payload, pieces = _collect(strategy, state)
+    manager = CheckpointManager(path, keep=keep)
+    final = manager.directory / f"ckpt-{step:010d}"
+    if not blocking:
+        background.submit(strategy, manager, step, payload, pieces, writes=writes)
+        return final
+    if pieces:  # every rank writes its pieces, the chief the rest, one commit (DCP: collective)
+        return manager.save(step, payload, shards=pieces)
+    failure: Exception | None = None
+    if strategy.is_chief if writes is None else writes:
+        try:
+            final = manager.save(step, payload)
+        except Exception as exc:  # told to the other ranks first, then raised
+            failure = exc
+    agree(strategy, failure, f"the checkpoint of step {step} to {path}")
+    return final
+
+
+def _collect(strategy: Strategy, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The checkpoint's replicated payload and this rank's pieces, from the strategy's layout (may be
+    collective). Tensors may share the training state's storage."""
     layout = strategy._state_layout()
     objects: dict[str, Any] = {}
     pieces: dict[str, torch.Tensor] = {}
@@ -207,17 +242,12 @@ def save(
             objects[key] = {"kind": "stateful", "state": obj.state_dict()}
         else:
             objects[key] = {"kind": "value", "value": obj}
-    payload = {FORMAT_KEY: FORMAT, "writer": layout.writer(), OBJECTS: objects}
-    manager = CheckpointManager(path, keep=keep)
-    if pieces:  # every rank writes its pieces, the chief the rest, one commit (DCP: collective)
-        return manager.save(step, payload, shards=pieces)
-    failure: Exception | None = None
-    written = manager.directory / f"ckpt-{step:010d}"
-    if strategy.is_chief if writes is None else writes:
-        try:
-            written = manager.save(step, payload)
-        except Exception as exc:  # told to the other ranks first, then raised
-            failure = exc
+    return {FORMAT_KEY: FORMAT, "writer": layout.writer(), OBJECTS: objects}, pieces
+
+
+def agree(strategy: Strategy, failure: BaseException | None, what: str) -> None:
+    """Raise on every rank when writing ``what`` failed on some rank (collective): the failing rank
+    its own error, the others :class:`~spread.errors.PeerFailedError` naming it."""
     flags = strategy.gather_from_every_rank(torch.tensor([[0.0 if failure else 1.0]]))
     if failure is not None:
         raise failure
@@ -226,10 +256,98 @@ def save(
         raise PeerFailedError(
             strategy.rank,
             writer,
-            f"it could not write the checkpoint of step {step} to {path} (its log says why); "
-            "stopping so that no rank runs ahead of it",
+            f"it could not write {what} (its log says why); stopping so that no rank runs ahead of it",
         )
-    return written
+
+
+class AsyncCheckpoints:
+    """A strategy's background checkpoint writes (``save(..., blocking=False)``): at most one in
+    flight per process, its failure raised on every rank at the next save or :meth:`confirm`.
+
+    Replicated state (no pieces): the chief alone writes; no collective runs on the background
+    thread. Pieces (ShardedStrategy): every rank's DCP write and the commit are collective, so they
+    run over a gloo process group of their own (:meth:`_group`, made on the training thread at the
+    first such save, as torch recommends for DCP's ``async_save``): collectives of the background
+    thread never interleave with the training loop's on the same group, which would deadlock or
+    mismatch them. The snapshot itself (gathering pieces, copying tensors) stays on the training
+    thread, at the step boundary.
+
+    Holds no reference to the strategy (it is released with the strategy's resources).
+    """
+
+    def __init__(self) -> None:
+        self._writer: BackgroundWriter | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._registered = False  # release() is among the strategy's resources
+        self.unconfirmed: str | None = None  # what the last background write wrote, until confirmed
+
+    @property
+    def writer(self) -> BackgroundWriter:
+        if self._writer is None:
+            self._writer = BackgroundWriter("checkpoint")
+        return self._writer
+
+    def submit(
+        self,
+        strategy: Strategy,
+        manager: CheckpointManager,
+        step: int,
+        payload: dict[str, Any],
+        pieces: dict[str, torch.Tensor],
+        *,
+        writes: bool | None,
+    ) -> None:
+        what = f"the checkpoint of step {step} to {manager.directory}"
+        if not self._registered:  # released before the groups made earlier (newest first)
+            strategy._resources.push(self.release)
+            self._registered = True
+        group = self._checkpoint_group() if pieces else None
+        writer = self.writer
+        if pieces or (strategy.is_chief if writes is None else writes):
+
+            def write(copy: tuple[dict[str, Any], dict[str, torch.Tensor]]) -> None:
+                state, shards = copy
+                manager.save(step, state, shards=shards or None, group=group)
+
+            writer.submit((payload, pieces), write, what)
+        self.unconfirmed = what  # on every rank, writer or not: confirm() is collective
+
+    def confirm(self, strategy: Strategy) -> None:
+        """Wait for the background write in flight; raise on every rank if it failed on one
+        (collective when a write was submitted since the last confirmation; a no-op otherwise)."""
+        what, self.unconfirmed = self.unconfirmed, None
+        if what is None:
+            return
+        failure = self._writer.finish() if self._writer is not None else None
+        agree(strategy, failure, what)
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The background writes' own gloo group over every rank (made once, collectively, on the
+        training thread: every rank saves at the same step boundary)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        if self._group is None:
+            timeout = timedelta(seconds=default_collective_timeout())
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._group
+
+    def finish(self) -> None:
+        """Wait for the write in flight without a collective (leaving ``fit`` by an exception, when
+        peers may be gone): its failure is warned about, not raised over the exception in flight."""
+        self.unconfirmed = None
+        if self._writer is None:
+            return
+        failure = self._writer.finish(timeout=default_collective_timeout() + 60)
+        if failure is not None:
+            notes = " ".join(getattr(failure, "__notes__", []))
+            warnings.warn(f"{type(failure).__name__}: {failure} {notes}", RuntimeWarning, stacklevel=3)
+
+    def release(self) -> None:
+        """:meth:`finish`, then destroy the background group (at ``close()``, a regroup, or exit)."""
+        self._registered = False
+        self.finish()
+        group, self._group = self._group, None
+        destroy_group(group)
 
 
 def _checked(state: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -568,10 +568,12 @@ class ParameterServerStrategy(Strategy):
         return list(range(1, self.num_workers)) if self.mode == "sync" else []
 
     def save_checkpoint(
-        self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3
+        self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3, blocking: bool = True
     ) -> Path:
         """The chief writes ``state`` with every server's state; a sync worker its own part; an
-        async worker nothing (see the comment above). Not collective: tasks save on their own."""
+        async worker nothing (see the comment above). Not collective: tasks save on their own.
+        Always written before it returns (``blocking`` is accepted and ignored): the servers' state
+        is already a copy, fetched from them, and the tasks share no step boundary to wait at."""
         if self.is_chief:
             servers = {"servers": self.server_state(), "backup_id": BackupId.new(step).encode()}
             return checkpointing.save(self, path, {**state, _SERVERS: servers}, step=step, keep=keep)

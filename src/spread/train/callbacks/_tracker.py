@@ -177,6 +177,7 @@ class TrackerLogger(Callback):
         for callback in self.trainer.active_callbacks:
             if not isinstance(callback, ModelCheckpoint):
                 continue
+            callback.wait()  # a file still being written in the background is uploaded whole
             done = self._uploaded.get(id(callback), 0)
             for path in dict.fromkeys(callback.saved[done:]):  # a best-only path saved twice: once
                 if os.path.exists(path):

@@ -24,6 +24,14 @@ ranks that no longer exist would have drawn.
 
 Every rank must use the callback (the save is collective where the strategy's layout is). Writes
 are atomic and checksummed; a corrupt newest backup is skipped with a warning for the previous one.
+
+Backups are asynchronous by default (``async_save=True``): at the step boundary the state is copied
+off the training state (``strategy.save_checkpoint(..., blocking=False)``: a host copy) and written
+and committed on a background thread while training goes on; the stall is the copy. The next backup
+waits for the previous write and raises its failure on every rank; so do the end of ``fit`` (no
+backup lost, no thread left behind) and a preemption notice (the backup is committed before the
+process exits). A crash during a background write leaves the previous backup as the latest, so a
+restart repeats at most one more backup interval than with ``async_save=False``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class BackupAndRestore(Callback):
         keep: how many backups to keep (older ones are deleted after each save).
         save_on_preemption: on SIGTERM, back up at the next step boundary and exit with code 143
             (:mod:`spread.train.preemption`; not under parameter servers, whose tasks step alone).
+        async_save: write each backup on a background thread after copying the state at the step
+            boundary (the default); False: every rank waits until each backup is committed.
     """
 
     def __init__(
@@ -57,6 +67,7 @@ class BackupAndRestore(Callback):
         delete_checkpoint: bool = True,
         keep: int = 2,
         save_on_preemption: bool = True,
+        async_save: bool = True,
     ) -> None:
         super().__init__()
         if save_freq != "epoch" and (
@@ -72,6 +83,9 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self.keep = keep
         self.save_on_preemption = save_on_preemption
+        if not isinstance(async_save, bool):
+            raise invalid("async_save", async_save, "True or False")
+        self.async_save = async_save
         self.preemption = PreemptionWatch()
         self.restored_step: int | None = None  # the step of the backup the last fit resumed from
         self.resumed_from_replicas: int | None = None  # set when that backup had another replica count
@@ -102,6 +116,7 @@ class BackupAndRestore(Callback):
         if self.preemption.installed and (self.trainer.stop_voted or stop_after_save):
             if not saved:
                 self._save()
+            self.trainer.strategy.wait_for_checkpoint()  # committed before the process exits
             self.preemption.acknowledge()
             preempted = TrainingPreempted(self.trainer.global_step, self.backup_dir)
             if self.trainer.is_chief:  # SystemExit prints nothing: say what happened, once
@@ -114,13 +129,18 @@ class BackupAndRestore(Callback):
         return self.preemption.installed and self.preemption.requested
 
     def on_fit_exit(self) -> None:
+        """Leaving ``fit`` by an exception: the backup in flight is still committed (or its failure
+        warned about) before this returns, so no write outlives ``fit``; after a normal end,
+        :meth:`on_train_end` has confirmed it already."""
         self.preemption.stop()
+        self.trainer.strategy.finish_checkpoint_writes()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
             self._save()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        self.trainer.strategy.wait_for_checkpoint()  # the last backup is committed (or fails here)
         if self.delete_checkpoint and self.trainer.is_chief:
             self.trainer.strategy.delete_checkpoints(self.backup_dir)
 
@@ -128,14 +148,21 @@ class BackupAndRestore(Callback):
         """Back up this step; returns on every rank once it is durable: whether some rank asks to
         stop (a SIGTERM, also one that came during the save).
 
-        The save is a synchronisation point (the strategy returns once the backup is committed,
-        and raises on every rank when it is not): no rank runs past step N until the backup of
-        step N is durable, so a rank that dies just after a save never takes a half-written backup
-        down with it.
+        With ``async_save=False`` the save is a synchronisation point (the strategy returns once the
+        backup is committed, and raises on every rank when it is not): no rank runs past step N
+        until the backup of step N is durable. Asynchronously, the backup of step N is committed
+        before the one of step N + save_freq starts (and its failure raised on every rank then);
+        a rank that dies meanwhile can cost that backup, never the previous one.
         """
         trainer = self.trainer
         strategy = trainer.strategy
-        strategy.save_checkpoint(self.backup_dir, self._state(), step=trainer.global_step, keep=self.keep)
+        strategy.save_checkpoint(
+            self.backup_dir,
+            self._state(),
+            step=trainer.global_step,
+            keep=self.keep,
+            blocking=not self.async_save,
+        )
         stop = self.asks_to_stop()
         if strategy.steps_together:
             votes = strategy.gather_from_every_rank(torch.tensor([[1.0 if stop else 0.0]]))

@@ -11,6 +11,12 @@ checkpoint in place (nanoGPT) loses both copies on a crash.
 A name ending in ``.safetensors`` is written as safetensors (weights only; loadable with
 ``safetensors.torch.load_file`` and ``from_pretrained``-style loaders); asking for the optimizer
 in one is refused, never a pickle under that name.
+
+With ``async_save=True`` the chief copies the gathered state to host memory at the step boundary and
+writes the file on a background thread (:mod:`spread.checkpoint.background`), one file in flight;
+the next save and the end of ``fit`` wait for it and raise its failure, and a path enters
+:attr:`ModelCheckpoint.saved` once its file is complete. Off by default (unlike ``BackupAndRestore``):
+Keras code expects the file to exist when the epoch's callbacks run.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spread.checkpoint.atomic import atomic_save
+from spread.checkpoint.background import BackgroundWriter
 from spread.checkpoint.export import SAFETENSORS_SUFFIX, write_safetensors
 from spread.train.callbacks._monitor import (
     as_float,
@@ -52,6 +59,8 @@ class ModelCheckpoint(Callback):
         save_freq: ``"epoch"``, or a positive number of batches between saves (the logs are then the
             running means of the current epoch, as in Keras).
         verbose: 1 prints a line for each save (and each skipped best-only save).
+        async_save: write the file on a background thread after copying the state at the step
+            boundary; False (the default): write it before training goes on.
 
     Load with ``torch.load(path, weights_only=True)`` (a ``.safetensors`` name: with
     ``safetensors.torch.load_file``). Runs on every rank (the one-device state is collective under
@@ -67,6 +76,7 @@ class ModelCheckpoint(Callback):
         save_weights_only: bool = True,
         save_freq: str | int = "epoch",
         verbose: int = 0,
+        async_save: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
@@ -86,6 +96,10 @@ class ModelCheckpoint(Callback):
         self.save_weights_only = bool(save_weights_only)
         self.save_freq = check_freq("save_freq", save_freq)
         self.verbose = verbose
+        if not isinstance(async_save, bool):
+            raise invalid("async_save", async_save, "True or False")
+        self.async_save = async_save
+        self._writer: BackgroundWriter | None = None
         self.best = worst_value(self.mode)
         self._better = monitor_op(self.mode)
         self._batches_since_save = 0
@@ -97,6 +111,21 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._batches_since_save = 0
         self.saved = []
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self.wait()
+
+    def on_fit_exit(self) -> None:
+        """Leaving ``fit`` by an exception: the file in flight is still finished (a failure is
+        warned about, not raised over the exception in flight); no write outlives ``fit``."""
+        failure = self._writer.finish() if self._writer is not None else None
+        if failure is not None:
+            warnings.warn(f"{type(failure).__name__}: {failure}", RuntimeWarning, stacklevel=2)
+
+    def wait(self) -> None:
+        """Wait for the file being written in the background; raise if writing it failed."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
@@ -200,8 +229,16 @@ class ModelCheckpoint(Callback):
     def _write(self, state: Any, path: str) -> None:
         if not self.trainer.is_chief:
             return
-        if path.endswith(SAFETENSORS_SUFFIX):
-            atomic_save(state, path, write_safetensors)
-        else:
-            atomic_save(state, path)
-        self.saved.append(path)
+        write = write_safetensors if path.endswith(SAFETENSORS_SUFFIX) else None
+        if not self.async_save:
+            atomic_save(state, path, write)
+            self.saved.append(path)
+            return
+        if self._writer is None:
+            self._writer = BackgroundWriter("model-checkpoint")
+
+        def write_file(copy: Any) -> None:
+            atomic_save(copy, path, write)
+            self.saved.append(path)
+
+        self._writer.submit(state, write_file, path)
