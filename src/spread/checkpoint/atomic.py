@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -73,7 +74,18 @@ def atomic_save(
 
     ``write(obj, file)`` serialises (default ``torch.save``). On failure the temporary file is
     removed and the exception propagates.
+
+    A URL (``s3://bucket/model.pt``, any fsspec protocol but ``file``) is serialised in memory and
+    written as one object, which object stores make visible whole or not at all
+    (:mod:`spread.checkpoint.remote`).
     """
+    from spread.checkpoint.remote import is_url, put_atomically
+
+    if is_url(path):
+        buffer = io.BytesIO()
+        (write or torch.save)(obj, buffer)
+        put_atomically(buffer.getvalue(), os.fspath(path))
+        return
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -227,7 +239,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _check_structure(manifest: Any, manifest_path: Path) -> dict[str, dict[str, Any]]:
+def _check_structure(manifest: Any, manifest_path: Path | str) -> dict[str, dict[str, Any]]:
     """Return the manifest's ``files`` if the manifest has the structure :func:`write_manifest`
     writes; otherwise raise ValueError naming the problem (never KeyError or TypeError)."""
 

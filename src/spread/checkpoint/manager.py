@@ -39,6 +39,7 @@ from spread.checkpoint.atomic import (
     write_manifest,
 )
 from spread.checkpoint.compat import raise_if, tensor_mismatches
+from spread.checkpoint.remote import RemoteCheckpointManager, is_url
 from spread.checkpoint.sharded import METADATA_FILE, UnsafeMetadataError, load_shards, save_shards
 from spread.comm.ops import Collectives
 from spread.errors import CheckpointCorruptError, CheckpointMismatchError, NonFiniteLossError
@@ -62,7 +63,16 @@ class CheckpointManager:
 
     Only one process should call :meth:`save` for replicated state (the chief); every process may
     call :meth:`load_latest`.
+
+    ``directory`` may be an fsspec URL (``s3://bucket/run``): the manager is then a
+    :class:`~spread.checkpoint.remote.RemoteCheckpointManager` (the same interface, a commit protocol
+    for storage without an atomic rename, the same manifest and checksums).
     """
+
+    def __new__(cls, directory: str | Path, *, keep: int = 3) -> Any:
+        if cls is CheckpointManager and is_url(directory):
+            return RemoteCheckpointManager(str(directory), keep=keep)
+        return super().__new__(cls)
 
     def __init__(self, directory: str | Path, *, keep: int = 3) -> None:
         if not isinstance(keep, int) or keep < 1:
@@ -71,6 +81,10 @@ class CheckpointManager:
             )
         self.directory = Path(directory)
         self.keep = keep
+
+    def location(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is (or will be) committed."""
+        return self.directory / f"ckpt-{step:010d}"
 
     # -- writing -------------------------------------------------------------------------------------
     def save(

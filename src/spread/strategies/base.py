@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from spread.checkpoint.remote import is_url, remove_all
 from spread.cluster import ClusterSpec
 from spread.data import DataChannel, DistributedDataset, ReplicaLayout, ShardPolicy, StepInfo
 from spread.errors import SpreadError
@@ -499,14 +500,15 @@ class Strategy(abc.ABC):
 
     def save_checkpoint(
         self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3, blocking: bool = True
-    ) -> Path:
+    ) -> Path | str:
         """Write ``state`` as checkpoint ``step`` under the directory ``path``; keep the newest ``keep``.
 
         ``state`` maps names to models, optimizers, objects with ``state_dict``/``load_state_dict``
         (the Trainer, a distributed dataset) and plain values, e.g. ``{"model": model, "optimizer":
         opt, "data": dataset, "step": step}``. The strategy decides the layout (whole on the chief,
         pieces per rank, gathered stages, servers' shards); the write is atomic and checksummed
-        (:mod:`spread.strategies.checkpointing`). Collective: every rank calls it with the same keys;
+        (:mod:`spread.strategies.checkpointing`). ``path`` may be an fsspec URL (``s3://bucket/run``:
+        :mod:`spread.checkpoint.remote`). Collective: every rank calls it with the same keys;
         it returns on every rank once the checkpoint is durable, and raises on every rank if not.
 
         ``blocking=False``: the state is copied off the training state here (the step boundary:
@@ -554,7 +556,10 @@ class Strategy(abc.ABC):
         """Remove the checkpoint directory ``path`` once no rank can still need it (on the chief,
         when training finished). Default: at once; parameter servers first wait for the workers
         that train on after the chief."""
-        shutil.rmtree(path, ignore_errors=True)
+        if is_url(path):
+            remove_all(str(path))
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     @property
     def exchange_seconds(self) -> float | None:

@@ -188,7 +188,7 @@ def save(
     keep: int,
     writes: bool | None = None,
     blocking: bool = True,
-) -> Path:
+) -> Path | str:
     """Write ``state`` as the checkpoint of ``step`` under ``path`` (collective: every rank calls it
     with the same keys in the same order); returns on every rank once it is durable, and raises on
     every rank when it could not be written. ``writes``: whether this rank writes the replicated
@@ -204,7 +204,7 @@ def save(
     background.confirm(strategy)  # the previous background write, if any, committed on every rank
     payload, pieces = _collect(strategy, state)
     manager = CheckpointManager(path, keep=keep)
-    final = manager.directory / f"ckpt-{step:010d}"
+    final = manager.location(step)
     if not blocking:
         background.submit(strategy, manager, step, payload, pieces, writes=writes)
         return final
@@ -384,7 +384,7 @@ def load(
     if found is None:
         return None
     saved_step, payload = found
-    where = manager.directory / f"ckpt-{saved_step:010d}"
+    where = manager.location(saved_step)
     try:
         restore(layout, state, payload[OBJECTS], payload.get(SHARDS_KEY) or {})
     except CheckpointMismatchError as exc:  # a plain object refused it (the Trainer's configuration)

@@ -59,6 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from spread import env
 from spread.checkpoint import CheckpointManager
+from spread.checkpoint.remote import is_url
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import default_init_timeout
 from spread.cluster.threads import share_cores
@@ -569,11 +570,12 @@ class ParameterServerStrategy(Strategy):
 
     def save_checkpoint(
         self, path: str | Path, state: Mapping[str, Any], *, step: int, keep: int = 3, blocking: bool = True
-    ) -> Path:
+    ) -> Path | str:
         """The chief writes ``state`` with every server's state; a sync worker its own part; an
         async worker nothing (see the comment above). Not collective: tasks save on their own.
         Always written before it returns (``blocking`` is accepted and ignored): the servers' state
         is already a copy, fetched from them, and the tasks share no step boundary to wait at."""
+        _refuse_url(path)
         if self.is_chief:
             servers = {"servers": self.server_state(), "backup_id": BackupId.new(step).encode()}
             return checkpointing.save(self, path, {**state, _SERVERS: servers}, step=step, keep=keep)
@@ -590,6 +592,7 @@ class ParameterServerStrategy(Strategy):
         and the servers from it, then tells the other tasks; they wait for its word, pull the
         variables and resume after their last step the servers hold (their own part of that step,
         where they write one)."""
+        _refuse_url(path)
         if self.is_chief:
             return self._restore_as_chief(path, state, step)
         backup = self.wait_for_restore()
@@ -792,3 +795,12 @@ def _steps(path: str | Path) -> list[int]:
     return sorted(
         (int(c.name.removeprefix("ckpt-")) for c in CheckpointManager(path).checkpoints()), reverse=True
     )
+
+
+def _refuse_url(path: str | Path) -> None:
+    """Parameter-server backups live in a directory per task: not in object storage yet."""
+    if is_url(path):
+        raise ValueError(
+            f"ParameterServerStrategy backs up to a filesystem path, not to {path}: "
+            "use a directory on a shared filesystem"
+        )
