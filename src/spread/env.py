@@ -13,5 +13,6 @@ DEBUG_COLLECTIVES = "SPREAD_DEBUG_COLLECTIVES"  # "1": log every collective
 TUNE_MALLOC = "SPREAD_TUNE_MALLOC"  # "0": leave glibc's allocator as it is (cluster/allocator.py)
 TRACE_DIR = "SPREAD_TRACE_DIR"  # `spread run --trace DIR`: every fit traces a window of steps into DIR
 RECOVER = "SPREAD_RECOVER"  # "1": `spread run --recover`: survivors of a lost rank regroup and train on
+JOIN = "SPREAD_JOIN"  # "1": this machine's ranks join a running --recover job (set by spread run)
 REGROUP_TIMEOUT = "SPREAD_REGROUP_TIMEOUT"  # seconds survivors wait for each other at a regroup (default 30)
 CHECKPOINT_CRASH_AT = "SPREAD_CHECKPOINT_CRASH_AT"  # chaos tests: die at a named point of a save

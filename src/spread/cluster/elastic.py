@@ -38,6 +38,7 @@ class Round:
     master_addr: str  # the job store (torch's handler on the round's node 0 hosts it)
     master_port: int
     attempt: int  # agreed by every node of the round: the prefix of the round's keys
+    join: bool = False  # --recover: this node's ranks join ranks that train on (attempt and store theirs)
 
 
 class ElasticRendezvous:
@@ -72,10 +73,12 @@ class ElasticRendezvous:
         )
         self._buffer = b""
 
-    def _ask(self, op: str, timeout: float, stop_requested: Callable[[], bool]) -> dict[str, Any]:
+    def _ask(
+        self, op: str, timeout: float, stop_requested: Callable[[], bool], **more: Any
+    ) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            self.proc.stdin.write(json.dumps({"op": op}).encode() + b"\n")
+            self.proc.stdin.write(json.dumps({"op": op, **more}).encode() + b"\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the agent already ended: its last words (an error) are in the pipe
@@ -98,9 +101,14 @@ class ElasticRendezvous:
             raise RendezvousFailed(answer["error"])
         return answer
 
-    def next_round(self, stop_requested: Callable[[], bool]) -> Round:
-        """Join the next round (up to ``join_timeout`` seconds and then some for the agent's start)."""
-        return Round(**self._ask("next", self.join_timeout + _SHORT, stop_requested))
+    def next_round(self, stop_requested: Callable[[], bool], live: Mapping[str, Any] | None = None) -> Round:
+        """Join the next round (up to ``join_timeout`` seconds and then some for the agent's start).
+        ``live``: this node's ranks train on (``--recover``; ``{"attempt", "addr", "port"}`` of their
+        job store), and the nodes that wait join them."""
+        answer = self._ask(
+            "next", self.join_timeout + _SHORT, stop_requested, live=dict(live) if live else None
+        )
+        return Round(**answer)
 
     def nodes_waiting(self) -> int:
         return int(self._ask("waiting", _SHORT, lambda: False)["waiting"])

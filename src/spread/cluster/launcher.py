@@ -73,6 +73,7 @@ _REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped (only t
 _RELAY_JOIN_TIMEOUT = 2.0  # a setsid'd grandchild may keep a pipe open forever; do not wait on it
 _TICK = 0.1  # seconds between checks for a stop signal or a stopped rank while waiting on the ranks
 _STOPPED_LIMIT = 3.0  # seconds a rank may stay stopped (SIGSTOP, state T) before it counts as failed
+_SHORT_ROUND = 60.0  # seconds to let a round that admits machines complete before the launcher ends
 _WAITING_EVERY = 5.0  # seconds between asking the rendezvous whether machines wait to join (torchrun's)
 # The failure note names the exception in at most this many characters: the rank's traceback, just
 # above it, has the whole message (a CheckpointMismatchError listing every key ran to 900 characters,
@@ -478,6 +479,7 @@ class _Attempt:
         self.lost: dict[int, int] = {}  # --recover: local rank -> return code of each rank lost
         self.store_address: tuple[str, int] | None = None  # once the ranks are told where it is
         self.reporting: threading.Thread | None = None  # a report of where each rank is, under way
+        self.admitting: threading.Thread | None = None  # --recover: a round that lets machines join
 
     def rank(self, local_rank: int) -> int:
         return self.rank_offset + local_rank
@@ -513,6 +515,7 @@ class _Attempt:
             TORCHELASTIC_ERROR_FILE=str(self.launch.errors.path(self.number, rank)),
             **{spread_env.RESTART_COUNT: str(self.restart_count), spread_env.LAUNCHER: "1"},
             **({spread_env.RECOVER: "1"} if c.recover else {}),
+            **({spread_env.JOIN: "1"} if self.round is not None and self.round.join else {}),
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -601,6 +604,8 @@ class _Attempt:
             self.threads.append(self.relay.start(label, proc.stdout, proc.stderr))  # type: ignore[arg-type]
             threading.Thread(target=self._watch, args=(local_rank, proc), daemon=True).start()
         failure = self._wait()
+        if self.admitting is not None:  # the round completes as soon as the waiting machines are in it
+            self.admitting.join(timeout=_SHORT_ROUND)
         if failure is not None and failure.stopped_for is not None:  # the others wait for it: where?
             self._report_where(f"{failure.describe()}")
         running = len(self.procs) - len(self.returncodes)
@@ -691,6 +696,8 @@ class _Attempt:
         elastic = self.launch.elastic
         if elastic is None or time.monotonic() < self.next_waiting_check:
             return False
+        if self.admitting is not None and self.admitting.is_alive():
+            return False  # the agent is busy with that round
         self.next_waiting_check = time.monotonic() + _WAITING_EVERY
         try:
             return elastic.nodes_waiting() > 0
@@ -734,13 +741,39 @@ class _Attempt:
             if self.config.recover and len(self.returncodes) == len(self.procs):
                 break
             if self._nodes_waiting():
-                return _Failure(-1, 0, regroup=True)
+                if not self.config.recover:
+                    return _Failure(-1, 0, regroup=True)
+                self._admit()
             if self.config.ps and all(self.returncodes.get(r) == 0 for r in training):
                 return None
         if self.lost and not any(code == 0 for code in self.returncodes.values()):
             first = min(self.lost)  # every rank here was lost: nothing of the job survived on this node
             return _Failure(self.rank(first), self.lost[first])
         return None
+
+    def _admit(self) -> None:
+        """``--recover``: machines wait to join. Join their round with this node's ranks training on
+        (in the background: the ranks are still watched); the new machines' ranks then join these at
+        a step boundary, with the state streamed from them (``SPREAD_JOIN``)."""
+        elastic, round = self.launch.elastic, self.round
+        assert elastic is not None and round is not None and self.store_address is not None
+        addr, port = self.store_address
+        live = {"attempt": self.restart_count, "addr": addr, "port": port}
+
+        def join_round() -> None:
+            try:
+                joined = elastic.next_round(lambda: self.trap.signum is not None, live=live)
+            except (RendezvousFailed, InterruptedError) as exc:
+                self.relay.note(f"machines waited to join, but their round failed: {exc}")
+                return
+            self.relay.note(
+                f"round {joined.attempt}: {joined.nnodes} machine(s); the ranks here train on and admit "
+                f"the machines that join at their next step boundary (--recover)"
+            )
+
+        self.relay.note("machines wait to join the job; --recover: the ranks here train on while they join")
+        self.admitting = threading.Thread(target=join_round, daemon=True)
+        self.admitting.start()
 
     def _lose(self, local_rank: int) -> None:
         """``--recover``: a rank exited non-zero; the others train on without it (they regroup)."""
@@ -920,10 +953,20 @@ def _attempts(job: _Launch) -> _Failure | None:
                     continue
                 relay.note(f"the rendezvous at {where} failed: {exc}")
                 return failure if failure is not None and not failure.regroup else _Failure(-1, 1)
-            relay.note(
-                f"round {round.attempt}: this machine is node {round.group_rank} of {round.nnodes}, "
-                f"ranks {round.rank_offset}-{round.rank_offset + config.nproc - 1} of {round.world_size}"
+            if round.join and not config.recover:
+                relay.note(
+                    "the job's ranks train on under spread run --recover (recovery without restart): start "
+                    "this machine with --recover too, to join them"
+                )
+                return _Failure(-1, 1)
+            last = round.rank_offset + config.nproc - 1
+            place = (
+                f"its {config.nproc} process(es) join the running job at its next step boundary"
+                if round.join
+                else f"ranks {round.rank_offset}-{last} of {round.world_size}"
             )
+            node = f"this machine is node {round.group_rank} of {round.nnodes}"
+            relay.note(f"round {round.attempt}: {node}, {place}")
         failure = _Attempt(job, number, round).run()
         number += 1
         if trap.signum is not None or failure is None:

@@ -158,7 +158,11 @@ class Rendezvous:
     _job_store: dist.Store | None = None  # the attempt's job store (every generation's keys under it)
     generation: int = 0  # regroups survived: each generation's group lives under its own prefix
     collective_timeout: float = 300.0
-    members: tuple[int, ...] = ()  # after a regroup: the old ranks that form this group, in order
+    # After a regroup: who forms this group, in order: the old ranks (ints) that stayed, then the
+    # ranks that joined (``"+n"``, the n-th process to ask to join the running job).
+    members: tuple[int | str, ...] = ()
+    admitted: int = 0  # joiners admitted so far (the highest n); more than that wait to join
+    joined: bool = False  # this process joined a running job: its state comes from a live peer
 
     @property
     def rank(self) -> int:
@@ -174,16 +178,25 @@ class Rendezvous:
             dist.destroy_process_group()
         self._owns_group = False
 
+    def joiners_waiting(self) -> bool:
+        """Whether processes wait to join the running job (:func:`rendezvous` with ``SPREAD_JOIN=1``):
+        one read of the store (a counter), cheap enough for every step."""
+        if self._job_store is None:
+            return False
+        return int(self._job_store.add(_JOINERS, 0)) > self.admitted
+
     def regroup(self, gone: Callable[[], Iterable[int]], timeout: float) -> Rendezvous:
-        """Form the next generation's group of the ranks still alive (recovery without restart).
+        """Form the next generation's group of the ranks still alive, and of the processes that wait
+        to join (recovery without restart, and growing back).
 
         The current group must be destroyed already (:meth:`close`). Survivors agree on membership
         through the store, never a collective (the group is broken): each posts itself under the
         next generation; the first survivor to see every rank either posted or in ``gone()`` (ranks
         known to have exited), or ``timeout`` seconds pass, writes the member list with a
-        compare-and-set, and every survivor reads that one list. A rank not on it (it came too late)
-        raises :class:`RendezvousError`. New ranks follow the old ranks' order; the group lives
-        under a prefix of its own, so no key of the broken group is read again.
+        compare-and-set (the survivors, then every process waiting to join), and every survivor
+        reads that one list. A rank not on it (it came too late) raises :class:`RendezvousError`.
+        New ranks follow the old ranks' order, joiners last; the group lives under a prefix of its
+        own, so no key of the broken group is read again.
         """
         if self._keys is None or self._job_store is None:
             raise RendezvousError(
@@ -193,7 +206,7 @@ class Rendezvous:
         old_rank, old_world = self.spec.rank, self.spec.world_size
         keys, scope = self._keys, f"regroup/{generation}"
         try:
-            members = _agree_on_members(keys, scope, old_rank, old_world, gone, timeout)
+            members = _agree_on_members(keys, scope, old_rank, old_world, gone, timeout, self.admitted)
             if old_rank not in members:
                 raise RendezvousError(
                     f"rank {old_rank}: left out of the job's regroup {generation}: the survivors "
@@ -227,7 +240,15 @@ class Rendezvous:
             generation=generation,
             collective_timeout=self.collective_timeout,
             members=tuple(members),
+            admitted=max([self.admitted, *_joiner_numbers(members)]),
         )
+
+
+_JOINERS = "joiners"  # a counter in the job store: processes that asked to join the running job
+
+
+def _joiner_numbers(members: Iterable[int | str]) -> list[int]:
+    return [int(m[1:]) for m in members if isinstance(m, str)]
 
 
 def _agree_on_members(
@@ -237,8 +258,10 @@ def _agree_on_members(
     world_size: int,
     gone: Callable[[], Iterable[int]],
     timeout: float,
-) -> list[int]:
-    """The ranks of the next generation, the same list on every survivor (see :meth:`Rendezvous.regroup`)."""
+    admitted: int,
+) -> list[int | str]:
+    """Who forms the next generation, the same list on every survivor (see :meth:`Rendezvous.regroup`):
+    the survivors' old ranks, then ``"+n"`` for every joiner past the ``admitted`` ones."""
     keys.set(f"{scope}/alive/{rank}", str(os.getpid()))
     decision = f"{scope}/members"
     deadline = time.monotonic() + timeout
@@ -246,11 +269,67 @@ def _agree_on_members(
         posted = [r for r in range(world_size) if keys.read(f"{scope}/alive/{r}") is not None]
         dead = set(gone())
         if all(r in dead or r in posted for r in range(world_size)) or time.monotonic() >= deadline:
-            payload = json.dumps(posted)
+            waiting = int(keys.store.add(_JOINERS, 0))
+            payload = json.dumps([*posted, *(f"+{n}" for n in range(admitted + 1, waiting + 1))])
             keys.store.compare_set(decision, "", f"{keys._seal(decision, payload)} {payload}")
             continue  # read back what was decided (another survivor's list if it came first)
         time.sleep(0.02)
-    return [int(r) for r in json.loads(members)]
+    return [m if isinstance(m, str) else int(m) for m in json.loads(members)]
+
+
+def _join_running_job(
+    keys: _SealedKeys, spec: ClusterSpec, backend: str, timeout: float, collective_timeout: float
+) -> Rendezvous:
+    """Join a running job (``SPREAD_JOIN=1``: ``spread run --recover`` on a machine that came back, or
+    a new one): take a number from the store's counter, then wait until the running ranks admit it at
+    a step boundary (the member list of a later generation names ``"+n"``), and form that group with
+    them. The model, optimizer state and data position then come from a live peer (the caller)."""
+    job_store = keys.store
+    number = int(job_store.add(_JOINERS, 1))
+    print(
+        f"spread: rank {spec.rank}: joining the running job as joiner {number}; waiting for its ranks to "
+        f"admit it at their next step boundary",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline, generation, me = time.monotonic() + timeout, 1, f"+{number}"
+    while True:
+        decided = keys.read(f"regroup/{generation}/members")
+        if decided is not None:
+            members = [m if isinstance(m, str) else int(m) for m in json.loads(decided)]
+            if me in members:
+                break
+            generation += 1
+            continue
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"rank {spec.rank}: the running job at {spec.master_addr}:{spec.master_port} did not admit "
+                f"this process (joiner {number}) within {timeout:.0f}s (SPREAD_INIT_TIMEOUT): its ranks "
+                f"admit joiners at a step boundary of Trainer.fit under spread run --recover; the job may "
+                f"have finished, or run without --recover"
+            )
+        time.sleep(0.05)
+    scope = f"regroup/{generation}"
+    store = dist.PrefixStore(scope, job_store)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", store),
+        rank=members.index(me),
+        world_size=len(members),
+        timeout=timedelta(seconds=collective_timeout),
+    )
+    return Rendezvous(
+        spec=replace(spec, rank=members.index(me), world_size=len(members)),
+        store=store,
+        backend=backend,
+        _keys=keys,
+        _job_store=job_store,
+        generation=generation,
+        collective_timeout=collective_timeout,
+        members=tuple(members),
+        admitted=max(_joiner_numbers(members)),
+        joined=True,
+    )
 
 
 def _attempt_scope(restart_count: int) -> str:
@@ -464,9 +543,23 @@ def rendezvous(
     attempt_store = dist.PrefixStore(scope, tcp)
     job_store = dist.PrefixStore(_job_prefix(token), attempt_store)
     keys = _SealedKeys(job_store, token, scope)
+    joining = os.environ.get(env.JOIN, "") == "1"
     phase = "the job-token handshake"
     try:
-        _check_token(attempt_store, keys, spec, token, init_timeout)
+        # A joiner checks its token as any rank but 0 does: against the handshake the job's rank 0
+        # published when the job started.
+        _check_token(
+            attempt_store,
+            keys,
+            replace(spec, rank=max(spec.rank, 1)) if joining else spec,
+            token,
+            init_timeout,
+        )
+        if joining:
+            phase = "joining the running job"
+            joined = _join_running_job(keys, spec, backend, init_timeout, collective_timeout)
+            joined._tcp_store = tcp
+            return joined
         phase = "the arrival check"
         _announce_and_wait(keys, spec, init_timeout)
         phase = f"{backend} process-group setup"

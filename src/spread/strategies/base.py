@@ -143,6 +143,8 @@ class Strategy(abc.ABC):
         self._activation_bytes: int | None = None  # the last measure_activations() window's peak
         self._measuring_activations = False
         self._closed = False
+        # Joined a running job (spread run --recover): the state comes from a live peer in fit.
+        self.awaiting_state = False
         # Process groups and threads this strategy starts: released by close(), or at exit without it.
         self._resources = ProcessResources(type(self).__name__)
 
@@ -590,6 +592,11 @@ class Strategy(abc.ABC):
         """After a lost peer: form a new group of the surviving ranks at the smaller world size (the
         data layout and the gradient exchange follow it). Collective over the survivors."""
         self.check_recoverable()
+
+    def joiners_waiting(self) -> bool:
+        """Whether processes wait to join the running job at the next step boundary (a machine that
+        came back under ``spread run --recover``); checked once per step by the chief. Default: never."""
+        return False
 
     @property
     def recovery_progress(self) -> tuple[int, int]:

@@ -152,6 +152,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"says {self.cluster.world_size}"
             )
         self._rendezvous = rendezvous
+        # Joined a running job (spread run --recover on a machine that came back): the weights come
+        # from a live peer when Trainer.fit starts (broadcast_training_state), not from this scope.
+        self.awaiting_state = rendezvous is not None and rendezvous.joined
         self._reducer: GradientReducer | None = None
         self._tensor_parallel, self._data_mesh = tensor_parallel, data_mesh
         self._join(rendezvous)
@@ -226,7 +229,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             self.cluster,
             rank=self._rendezvous.rank,
             world_size=self._rendezvous.world_size,
-            local_world_size=max(1, self.cluster.local_world_size - left_here),
+            # Never below this rank's own place (it keeps its local rank and device): the ranks lost
+            # "here" may have been another launcher's, on the same host.
+            local_world_size=max(self.cluster.local_rank + 1, self.cluster.local_world_size - left_here),
         )
         self._join(self._rendezvous)
         self._buffer_weight = 1.0 / self.collectives.world_size
@@ -235,14 +240,22 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._buffers_stale = True
         self._on_new_modules([])
 
+    def joiners_waiting(self) -> bool:
+        """Whether processes wait to join the job: one read of the store (the Trainer's chief reads it
+        once per step under ``--recover``)."""
+        return self._rendezvous is not None and self._rendezvous.joiners_waiting()
+
     @property
     def recovery_progress(self) -> tuple[int, int]:
         return (self.steps_applied, self.steps_with_buffers)
 
     def broadcast_training_state(self, src: int, optimizer: torch.optim.Optimizer | None) -> None:
         """Make every rank's model (parameters and buffers) and ``optimizer`` state those of rank
-        ``src`` (after a regroup: the survivor that applied the most optimizer steps)."""
+        ``src`` (after a regroup: the survivor that applied the most optimizer steps; a process that
+        joined takes everything from it)."""
         tensors = [*self._managed.values(), *self._managed_buffers.values()]
+        self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
+        self.awaiting_state = False
         with torch.no_grad():
             self.collectives.broadcast_tensors(tensors, src=src, name="recover_weights")
         if optimizer is not None:
@@ -328,10 +341,13 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         tensors = [local_part(t) for t in (*params, *buffers)]  # a DTensor's shard: see tensor_parallel
-        self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
-        if self._data_axis is None:
+        if self.awaiting_state:  # the running ranks are training, not in a scope: no collective here
+            pass
+        elif self._data_axis is None:
+            self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
             self.collectives.broadcast_tensors(tensors, src=0, name="broadcast_initial_weights")
         else:
+            self.collectives.check_same(_signature(tensors), what="the model's parameter shapes and dtypes")
             # A shard from the first rank of its data-parallel group (the shard this rank holds of the
             # chief's replica: parallelize_module cut it from each tensor-parallel group's first rank);
             # a plain tensor, whole on every rank of the job, from the chief.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,32 +29,52 @@ if TYPE_CHECKING:  # pragma: no cover
 # answer before the deadline) or a peer that reported its own failure.
 PEER_FAILURES = (CollectiveError, PeerFailedError)
 
+# Added to the chief's stop vote (summed with each step's statistics) when machines wait to join:
+# every rank then reads both votes from the one sum (stop votes count ranks, far below this).
+JOIN_VOTE = float(2**20)
+
 
 def recovery_requested() -> bool:
     """Whether the launcher asked the ranks to recover from a lost peer (``SPREAD_RECOVER=1``)."""
     return os.environ.get(env.RECOVER, "") == "1"
 
 
-def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException) -> dict[str, Any]:
-    """Regroup the survivors and return the position (and loop state) every one of them continues
-    from: that of the survivor furthest ahead, whose model and optimizer state all ranks now hold."""
+def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException | None) -> dict[str, Any]:
+    """Regroup the survivors (and any process waiting to join: ``cause`` is None when that is why)
+    and return the position (and loop state) every one of them continues from: that of the survivor
+    furthest ahead, whose model and optimizer state all ranks now hold."""
     strategy = trainer.strategy
     old_rank, old_world = strategy.rank, strategy.num_replicas_in_sync
+    started = time.perf_counter()
     strategy.regroup()
-    progress = torch.tensor([list(strategy.recovery_progress)], dtype=torch.int64, device=strategy.device)
-    rows = [tuple(row) for row in strategy.gather_from_every_rank(progress).cpu().tolist()]
-    src = max(range(len(rows)), key=lambda r: (rows[r], -r))  # furthest ahead; the first on ties
-    strategy.broadcast_training_state(src, trainer.optimizer)
-    agreed = strategy.broadcast_object(position, src)
+    agreed = share_state(trainer, position)
     if strategy.is_chief:
+        why = (
+            "admitting the machine(s) that wait to join"
+            if cause is None
+            else (f"{type(cause).__name__}: {_first_line(cause)}")
+        )
         print(
-            f"spread: rank {old_rank} of {old_world}: {type(cause).__name__}: {_first_line(cause)}; "
-            f"regrouped at world size {strategy.num_replicas_in_sync} without restart; continuing at epoch "
-            f"{agreed['epoch'] + 1}, batch {agreed['batch']} (after {agreed['global_step']} optimizer steps)",
+            f"spread: rank {old_rank} of {old_world}: {why}; regrouped at world size "
+            f"{strategy.num_replicas_in_sync} without restart in {time.perf_counter() - started:.2f}s; "
+            f"continuing at epoch {agreed['epoch'] + 1}, batch {agreed['batch']} (after "
+            f"{agreed['global_step']} optimizer steps)",
             file=sys.stderr,
             flush=True,
         )
     return agreed
+
+
+def share_state(trainer: Trainer, position: dict[str, Any]) -> dict[str, Any]:
+    """Collective over the (new) group: every rank takes the model, optimizer state and ``position``
+    of the rank that applied the most optimizer steps (a process that joined a running job has
+    applied none, so it takes a survivor's: streamed from a live peer, never read from disk)."""
+    strategy = trainer.strategy
+    progress = torch.tensor([list(strategy.recovery_progress)], dtype=torch.int64, device=strategy.device)
+    rows = [tuple(row) for row in strategy.gather_from_every_rank(progress).cpu().tolist()]
+    src = max(range(len(rows)), key=lambda r: (rows[r], -r))  # furthest ahead; the first on ties
+    strategy.broadcast_training_state(src, trainer.optimizer)
+    return strategy.broadcast_object(position, src)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -44,7 +44,7 @@ from spread.train.metrics import MetricFn, RunningSums, resolve_metrics
 from spread.train.out_of_memory import explained_out_of_memory
 from spread.train.outputs import loss_of, prediction_of
 from spread.train.precision import Precision, check_precision
-from spread.train.recovery import PEER_FAILURES, recover, recovery_requested
+from spread.train.recovery import JOIN_VOTE, PEER_FAILURES, recover, recovery_requested, share_state
 from spread.train.stragglers import StragglerWatch
 from spread.train.timeline import merge_traces, rank_traces
 from spread.train.tracing import StepTracer, TraceWindow
@@ -163,6 +163,8 @@ class Trainer:
             raise ValueError("scheduler_interval and scheduler_monitor need an lr_scheduler")
         self.stop_training = False
         self.stop_voted = False  # whether some rank's callback asked to stop after the last step
+        self.join_voted = False  # whether machines wait to join (spread run --recover), after the last step
+        self._recovering = False  # this fit recovers without restart (spread run --recover)
         self.params: dict[str, Any] = {}
         self.epoch = 0
         self.global_step = 0
@@ -279,8 +281,12 @@ class Trainer:
         return stats
 
     def stop_vote(self) -> float:
-        """This process's vote to stop every rank after this step: a callback's ``asks_to_stop``."""
-        return 1.0 if any(cb.asks_to_stop() for cb in self.active_callbacks) else 0.0
+        """This process's vote to stop every rank after this step: a callback's ``asks_to_stop``;
+        plus ``JOIN_VOTE`` when machines wait to join the job (``--recover``: only the chief reads
+        that, from the store), so every rank learns both from the step's one sum."""
+        stop = 1.0 if any(cb.asks_to_stop() for cb in self.active_callbacks) else 0.0
+        joining = self._recovering and self.strategy.is_chief and self.strategy.joiners_waiting()
+        return stop + (JOIN_VOTE if joining else 0.0)
 
     def _eval_replica_step(self, batch: Any) -> torch.Tensor:
         b = as_batch(batch, who="Trainer")
@@ -359,8 +365,8 @@ class Trainer:
                 train_data, global_batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
             )
 
-        recovering = recovery_requested()
-        if recovering:
+        recovering = self._recovering = recovery_requested()
+        if recovering or self.strategy.awaiting_state:
             self.strategy.check_recoverable()
         train = distribute()
         steps = len(train) if hasattr(train.dataset, "__len__") else None
@@ -398,6 +404,7 @@ class Trainer:
             if tracer is not None:
                 tracer.stop()
             self._tracer = None
+            self._recovering = False
             cbs.call("on_fit_exit")
             self.active_callbacks = []
             self._class_weights = None
@@ -505,6 +512,8 @@ class Trainer:
         if pending:
             self._load_callback_states(pending)
         resume, self._resume = self._resume, None
+        if self.strategy.awaiting_state:  # joined a running job: its state comes from a live peer
+            resume = self._recover(None, None)  # then the loop continues at its position
         logs: dict[str, float] = {}
         comparable = self.strategy.exchange_seconds is not None  # ranks doing alike work, several processes
         watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
@@ -533,6 +542,7 @@ class Trainer:
             waited = train.wait_clock.seconds
             position = {"epoch": epoch, "batch": first_step, "sums": sums.totals.clone()}
             lost: BaseException | None = None
+            admitting = False  # machines wait to join: every rank regroups at this step boundary
             batches = iter(train)
             for step, batch in enumerate(batches, start=first_step):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
@@ -584,7 +594,10 @@ class Trainer:
                         raise
                     lost = exc
                     break
-            if lost is not None:
+                if recovering and self.join_voted and not self.stop_training:
+                    admitting = True
+                    break
+            if lost is not None or admitting:
                 assert redistribute is not None
                 batches.close()  # type: ignore[attr-defined]  # its reading thread stops now
                 resume = self._recover(position, lost)
@@ -622,7 +635,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with explained_out_of_memory(self.strategy, self.optimizer):
             voted = self.strategy.run_training_step(self, batch)  # summed [loss*n, n, metrics..., votes]
-        packed, self.stop_voted = voted[:-1], bool(voted[-1].item() > 0)
+        votes = float(voted[-1].item())
+        packed, self.stop_voted, self.join_voted = voted[:-1], votes % JOIN_VOTE > 0, votes >= JOIN_VOTE
         self._step_packed = packed  # kept for a step whose weights changed before a lost peer
         loss_sum = float(packed[0].item())
         if not math.isfinite(loss_sum):
@@ -649,9 +663,13 @@ class Trainer:
         self.global_step += 1
         return packed, step_logs
 
-    def _recover(self, position: dict[str, Any], cause: BaseException) -> dict[str, Any]:
-        """Regroup after a lost peer; every survivor takes the loop state of the one furthest ahead.
-        Returns where the epoch continues (``{"epoch", "batch", "sums"}``)."""
+    def _recover(self, position: dict[str, Any] | None, cause: BaseException | None) -> dict[str, Any]:
+        """Regroup after a lost peer (``cause``) or to admit machines waiting to join (``cause`` None);
+        every rank takes the loop state of the one furthest ahead. A process that joined a running job
+        (``position`` None) only takes it. Returns where the epoch continues (``{"epoch", "batch",
+        "sums"}``)."""
+        if position is None:
+            position = {"epoch": 0, "batch": 0, "sums": RunningSums(list(self.metrics)).totals.clone()}
         mine = {
             **position,
             "global_step": self.global_step,
@@ -659,7 +677,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             **self.schedule_state_dict(),
         }
-        agreed = recover(self, mine, cause)
+        agreed = share_state(self, mine) if self.strategy.awaiting_state else recover(self, mine, cause)
         self.global_step = int(agreed["global_step"])
         self.grad_norm_sums = agreed["grad_norm_sums"].clone()
         self.skipped_steps = int(agreed["skipped_steps"])

@@ -99,6 +99,8 @@ class BackupAndRestore(Callback):
         trainer = self.trainer
         if self.save_on_preemption and trainer.strategy.steps_together:
             self.preemption.start()
+        if trainer.strategy.awaiting_state:  # joined a running job: a live peer streams the state
+            return
         restored = trainer.strategy.load_checkpoint(self.backup_dir, self._state())
         if restored is None:
             return

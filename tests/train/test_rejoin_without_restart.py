@@ -1,0 +1,199 @@
+"""Machines that come back join a running job (issue 36 item 2): separate ``spread run --recover
+--nnodes 2:3`` invocations on this machine are the "machines" of a c10d rendezvous. One is lost (killed,
+preempted, stopped, killed mid-all-reduce) or a rank dies mid-save; the survivors train on at the
+smaller size without restart; a machine started again joins at a step boundary with the weights,
+optimizer state and data position streamed from a live peer; the job ends with the weights of the
+uninterrupted run, and no process of any machine is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from spread.testing.processes import reap_survivors, spread_run
+from spread.testing.ps_jobs import free_ports
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "rejoin_train.py"
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _results(log: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    run = spread_run(SCRIPT, 3, "3", "-")
+    assert run.returncode == 0, run.log
+    results = _results(run.log)
+    assert len(results) == 3 and {r["world_size"] for r in results} == {3}
+    return results[0]
+
+
+class Machines:
+    """``spread run`` invocations as machines of one job; every process they start is remembered."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.env = {
+            k: v for k, v in os.environ.items() if k not in ("SPREAD_JOB_TOKEN", "RANK", "WORLD_SIZE")
+        }
+        self.env.update(HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", SPREAD_COLLECTIVE_TIMEOUT="20")
+        self.port, self.backups = free_ports(1)[0], str(tmp_path / "backups")
+        self.nodes: list[subprocess.Popen] = []
+        self.pids: set[int] = set()
+        self.logs: list[list[str]] = []
+
+    def start(self, nproc: int, *, host: bool = False, chaos: str = "", backups: bool = False) -> int:
+        endpoint = f"127.0.0.1:{self.port}"
+        conf = f"last_call_timeout=1,join_timeout=120,is_host={int(host)}"
+        command = [sys.executable, "-m", "spread.cli.main", "run", "--recover", "-n", str(nproc)]
+        command += ["--nnodes", "2:3", "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf]
+        command += [str(SCRIPT), "3", self.backups if backups else "-"]
+        env = dict(self.env, SPREAD_TEST_CHAOS=chaos) if chaos else self.env
+        node = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.nodes.append(node)
+        self.logs.append([])
+        self.pids.add(node.pid)
+        return len(self.nodes) - 1
+
+    def read_until(self, index: int, pattern: str, timeout: float = 120.0) -> None:
+        """Read machine ``index``'s output until a line matches ``pattern`` (remembering the pids of
+        every process it started so far)."""
+        node = self.nodes[index]
+        assert node.stdout is not None
+        for line in node.stdout:
+            self.logs[index].append(line)
+            self._remember(node)
+            if re.search(pattern, line):
+                return
+        raise AssertionError(f"machine {index} ended before {pattern!r}:\n{''.join(self.logs[index])}")
+
+    def _remember(self, node: subprocess.Popen) -> None:
+        try:
+            self.pids.update(p.pid for p in psutil.Process(node.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def finish(self, index: int, timeout: float = 200.0) -> tuple[int, str]:
+        node = self.nodes[index]
+        out, _ = node.communicate(timeout=timeout)
+        self.logs[index].append(out)
+        return node.returncode, "".join(self.logs[index])
+
+    def close(self) -> list[int]:
+        for node in self.nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+        return reap_survivors(self.pids, timeout=15)
+
+
+@pytest.fixture
+def machines(tmp_path: Path):
+    group = Machines(tmp_path)
+    yield group
+    assert group.close() == [], "processes left behind"
+
+
+def _assert_uninterrupted(results: list[dict], uninterrupted: dict, world: int) -> None:
+    assert len(results) == world
+    for result in results:
+        assert result["world_size"] == world
+        assert result["global_step"] == uninterrupted["global_step"]
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE)
+
+
+def test_a_lost_machine_comes_back_and_joins_with_the_state_of_a_live_peer(
+    machines: Machines, uninterrupted: dict
+) -> None:
+    first = machines.start(2, host=True)
+    second = machines.start(1, chaos="kill@5")
+    machines.read_until(first, r"regrouped at world size 2 without restart")
+    again = machines.start(1)
+    machines.read_until(again, r"join the running job at its next step boundary")
+    code, log = machines.finish(first)
+    code_again, log_again = machines.finish(again)
+    assert (code, code_again) == (0, 0), log + log_again
+    assert machines.nodes[second].wait(timeout=30) != 0
+    assert "admitting the machine(s) that wait to join; regrouped at world size 3 without restart" in log
+    assert "restarting" not in log
+    pids = {int(p) for p in re.findall(r"PIDS (\d+)", "".join(machines.logs[first][:8]))}
+    results = _results(log) + _results(log_again)
+    assert pids <= {r["pid"] for r in results}  # the survivors are the processes that started
+    _assert_uninterrupted(results, uninterrupted, 3)
+
+
+# Chaos (each a job of about a minute here): how the machine or rank is hurt, on which machine
+# (``"first"`` hosts the rendezvous and the job store, and holds the chief), and what the launcher of
+# the machine that went down says.
+CHAOS = {
+    "preempted mid-step": ("term", "second", "received SIGTERM"),
+    "killed mid-all-reduce": ("backward", "second", None),
+    "stopped mid-step": ("stop", "second", "stayed stopped"),
+    "the chief killed mid-save": ("save", "first", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAOS))
+def test_chaos_then_a_machine_joins_and_the_job_ends_with_the_uninterrupted_weights(
+    machines: Machines, uninterrupted: dict, case: str
+) -> None:
+    mode, where, said = CHAOS[case]
+    first_chaos = f"{mode}@5@0" if where == "first" else ""
+    first = machines.start(2, host=True, chaos=first_chaos, backups=True)
+    second = machines.start(1, chaos="" if where == "first" else f"{mode}@5", backups=True)
+    machines.read_until(first, r"regrouped at world size 2 without restart")
+    again = machines.start(1, backups=True)
+    code, log = machines.finish(first)
+    code_again, log_again = machines.finish(again)
+    assert (code, code_again) == (0, 0), log + log_again
+    assert "admitting the machine(s) that wait to join; regrouped at world size 3 without restart" in log
+    code_second, log_second = machines.finish(second)
+    if where == "second":
+        assert code_second != 0
+        if said:
+            assert said in log_second, log_second
+    else:
+        assert code_second == 0, log_second
+        _assert_latest_backup_is_whole(Path(machines.backups))
+    results = _results(log) + _results(log_again) + (_results(log_second) if where == "first" else [])
+    _assert_uninterrupted(results, uninterrupted, 3)
+
+
+def test_two_failures_in_one_job_each_followed_by_a_machine_that_joins(
+    machines: Machines, uninterrupted: dict
+) -> None:
+    first = machines.start(2, host=True)
+    machines.start(1, chaos="kill@4")
+    machines.read_until(first, r"regrouped at world size 2 without restart")
+    again = machines.start(1, chaos="kill@9")  # joins, then is lost in its turn
+    machines.read_until(first, r"regrouped at world size 3 without restart")
+    machines.read_until(first, r"regrouped at world size 2 without restart")
+    third = machines.start(1)
+    code, log = machines.finish(first)
+    code_third, log_third = machines.finish(third)
+    assert (code, code_third) == (0, 0), log + log_third
+    assert machines.finish(again)[0] != 0
+    assert log.count("admitting the machine(s) that wait to join") == 2, log
+    _assert_uninterrupted(_results(log) + _results(log_third), uninterrupted, 3)
+
+
+def _assert_latest_backup_is_whole(backups: Path) -> None:
+    """A save cut short leaves the previous backup as the latest, never a torn one."""
+    from spread.checkpoint.atomic import verify
+
+    pointers = list(backups.rglob("latest"))
+    assert pointers, f"no backup under {backups}"
+    for pointer in pointers:
+        verify(pointer.parent / pointer.read_text().strip())
