@@ -134,14 +134,13 @@ def test_a_lost_machine_comes_back_and_joins_with_the_state_of_a_live_peer(
     _assert_uninterrupted(results, uninterrupted, 3)
 
 
-# Chaos (each a job of about a minute here): how the machine or rank is hurt, on which machine
-# (``"first"`` hosts the rendezvous and the job store, and holds the chief), and what the launcher of
-# the machine that went down says.
+# Chaos (each a job of about a minute here): how a machine (or the chief) is hurt, and what the
+# launcher of the machine that went down says.
 CHAOS = {
-    "preempted mid-step": ("term", "second", "received SIGTERM"),
-    "killed mid-all-reduce": ("backward", "second", None),
-    "stopped mid-step": ("stop", "second", "stayed stopped"),
-    "the chief killed mid-save": ("save", "first", None),
+    "preempted mid-step": ("term", "received SIGTERM"),
+    "killed mid-all-reduce": ("backward", None),
+    "stopped mid-step": ("stop", "stayed stopped"),
+    "the chief killed mid-save": ("save", "exited with code 137 (killed by SIGKILL): rank 0 was lost"),
 }
 
 
@@ -149,26 +148,21 @@ CHAOS = {
 def test_chaos_then_a_machine_joins_and_the_job_ends_with_the_uninterrupted_weights(
     machines: Machines, uninterrupted: dict, case: str
 ) -> None:
-    mode, where, said = CHAOS[case]
-    first_chaos = f"{mode}@5@0" if where == "first" else ""
-    first = machines.start(2, host=True, chaos=first_chaos, backups=True)
-    second = machines.start(1, chaos="" if where == "first" else f"{mode}@5", backups=True)
+    mode, said = CHAOS[case]
+    first = machines.start(2, host=True, chaos=f"{mode}@5" if mode == "save" else "", backups=True)
+    second = machines.start(1, chaos=f"{mode}@5", backups=True)
     machines.read_until(first, r"regrouped at world size 2 without restart")
     again = machines.start(1, backups=True)
     code, log = machines.finish(first)
     code_again, log_again = machines.finish(again)
+    code_second, log_second = machines.finish(second)
     assert (code, code_again) == (0, 0), log + log_again
     assert "admitting the machine(s) that wait to join; regrouped at world size 3 without restart" in log
-    code_second, log_second = machines.finish(second)
-    if where == "second":
+    if mode != "save":
         assert code_second != 0
-        if said:
-            assert said in log_second, log_second
-    else:
-        assert code_second == 0, log_second
-        _assert_latest_backup_is_whole(Path(machines.backups))
-    results = _results(log) + _results(log_again) + (_results(log_second) if where == "first" else [])
-    _assert_uninterrupted(results, uninterrupted, 3)
+    if said:
+        assert said in log + log_second, log + log_second
+    _assert_uninterrupted(_results(log) + _results(log_again) + _results(log_second), uninterrupted, 3)
 
 
 def test_two_failures_in_one_job_each_followed_by_a_machine_that_joins(
@@ -187,13 +181,3 @@ def test_two_failures_in_one_job_each_followed_by_a_machine_that_joins(
     assert machines.finish(again)[0] != 0
     assert log.count("admitting the machine(s) that wait to join") == 2, log
     _assert_uninterrupted(_results(log) + _results(log_third), uninterrupted, 3)
-
-
-def _assert_latest_backup_is_whole(backups: Path) -> None:
-    """A save cut short leaves the previous backup as the latest, never a torn one."""
-    from spread.checkpoint.atomic import verify
-
-    pointers = list(backups.rglob("latest"))
-    assert pointers, f"no backup under {backups}"
-    for pointer in pointers:
-        verify(pointer.parent / pointer.read_text().strip())

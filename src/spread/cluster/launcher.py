@@ -901,6 +901,7 @@ def launch(config: LaunchConfig) -> int:
         )
     elastic = _start_rendezvous(config, run_id) if config.rdzv_backend == "c10d" else None
     failure: _Failure | None = None
+    job_over = True  # whether to close the rendezvous when this machine's part ends
     try:
         with _SignalTrap(queue.SimpleQueue()) as trap:
             job = _Launch(config, token, run_id, trap, relay, _ErrorFiles(), ReportFile(), elastic)
@@ -909,12 +910,17 @@ def launch(config: LaunchConfig) -> int:
             finally:
                 job.errors.close()
                 job.report.remove()
+            # A machine preempted (a stop signal), or under --recover lost, leaves the job to the
+            # others: closing the rendezvous would stop every machine that comes later from joining
+            # (as torchrun's agent, which leaves it open when it ends by a signal).
+            job_over = trap.signum is None and (failure is None or not config.recover)
             if trap.signum is not None:
                 return 128 + trap.signum
             return failure.code if failure is not None else 0
     finally:
         if elastic is not None:
-            elastic.shutdown()  # the job is over here: machines that come later are told so
+            if job_over:
+                elastic.shutdown()  # the job is over here: machines that come later are told so
             elastic.close()
 
 

@@ -79,7 +79,7 @@ from spread.data import StepInfo
 from spread.errors import SpreadError
 from spread.memory.meta_init import MetaInitRecorder
 from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
-from spread.strategies.base import Strategy, replica_weights
+from spread.strategies.base import replica_weights
 from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
@@ -579,9 +579,17 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         )
 
     def check_recoverable(self) -> None:
-        """Refused: each rank holds its own shard of the state, so a lost rank's shard would have to be
-        rebuilt from the survivors (not done yet): restart from a backup instead."""
-        Strategy.check_recoverable(self)
+        """Refused: each rank holds the only copy of its shard of the parameters (stage 3) and of the
+        optimizer state (every stage), so after a loss the survivors cannot rebuild the exact state
+        from memory. The way in (docs/reliability.md): a buddy copy of the neighbour's shard,
+        refreshed at each step boundary."""
+        raise SpreadError(
+            f"{type(self).__name__} cannot recover without restart (spread run --recover, SPREAD_RECOVER=1): "
+            f"a lost rank's shard of the optimizer state (and, with shard='parameters', of the weights) "
+            f"exists nowhere else in memory, so the survivors cannot continue exactly. Run without "
+            f"--recover: --max-restarts with BackupAndRestore restarts every rank from the last backup, "
+            f"at any world size"
+        )
 
     def close(self) -> None:
         self._pre_step_hook.remove()

@@ -1,15 +1,15 @@
 """A MultiWorkerMirrored fit on several "machines" (separate ``spread run --recover --nnodes`` calls)
 for recovery without restart and machines that join back. ``FULL`` is the world size when every
 machine is in. ``SPREAD_TEST_CHAOS`` (``MODE@STEP``, only in the environment of the machine to lose)
-or ``MODE@STEP@LOCAL_RANK``, only in the environment of the machine to hurt) makes its last rank (or
-``LOCAL_RANK``) hurt itself or its machine before optimizer step ``STEP``:
+only in the environment of the machines to hurt) makes the machine's last rank hurt itself or its
+machine before optimizer step ``STEP``:
 
 * ``kill``: SIGKILL of the machine's launcher (its agent and ranks die with it) and of the rank;
 * ``backward``: the same, from inside backward (its peers wait in the gradient all-reduce);
 * ``term``: SIGTERM to the machine's launcher (a preemption: it stops its ranks and exits);
 * ``stop``: SIGSTOP of the rank (its launcher kills it after a few seconds; the machine goes down);
-* ``save``: the chief dies inside ``BackupAndRestore``'s save, between writing and committing
-  (``SPREAD_CHECKPOINT_CRASH_AT=after_shard_write``); its machine's launcher and other ranks live on.
+* ``save``: the chief (rank 0, on whichever machine) dies inside ``BackupAndRestore``'s save, between
+  writing and committing (``SPREAD_CHECKPOINT_CRASH_AT=after_shard_write``); its launcher lives on.
 
 While the job is smaller than ``FULL`` the survivors wait at each step for a machine to ask to join
 (at most ``WAIT`` s), so that the rejoin happens at a known point whatever the machine's speed. Every
@@ -30,9 +30,11 @@ from spread.train.callbacks import BackupAndRestore, Callback
 FULL, BACKUPS = int(sys.argv[1]), sys.argv[2]
 WAIT = 90.0
 CHAOS = os.environ.get("SPREAD_TEST_CHAOS", "")
-MODE, AT, *WHO = CHAOS.split("@") if CHAOS else ("", "-1")
+MODE, AT = CHAOS.split("@") if CHAOS else ("", "-1")
 PID, LAUNCHER = os.getpid(), os.getppid()
-VICTIM = int(os.environ["LOCAL_RANK"]) == (int(WHO[0]) if WHO else int(os.environ["LOCAL_WORLD_SIZE"]) - 1)
+VICTIM = int(os.environ["LOCAL_RANK"]) == int(os.environ["LOCAL_WORLD_SIZE"]) - 1
+if MODE == "save":  # the chief writes the backups
+    VICTIM = int(os.environ["RANK"]) == 0
 AT = int(AT)
 print(f"PIDS {PID} {LAUNCHER}", flush=True)
 
