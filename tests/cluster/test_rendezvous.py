@@ -235,3 +235,28 @@ def test_h4_store_host_dies_after_rendezvous_workers_fail_within_the_deadline(wh
     assert value["detected_s"] < 10 + 15  # the configured deadline plus a margin for a loaded machine
     assert value["close_s"] < 15
     print("FIGURES H4", what, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in value.items()})
+
+
+def test_a_regroup_admits_every_waiting_joiner_once_after_the_survivors():
+    """Growing back (``spread run --recover``): processes that took a number from the store's joiner
+    counter are named ``"+n"`` after the survivors' old ranks, and a later regroup admits only newer
+    ones; ``joiners_waiting`` is what the chief reads each step."""
+    from spread.cluster.rendezvous import _JOINERS, Rendezvous, _agree_on_members, _SealedKeys
+    from spread.cluster.spec import ClusterSpec
+
+    store = dist.HashStore()
+    keys = _SealedKeys(store, "token", "spread/0")
+    spec = ClusterSpec(role="chief", task_index=0, rank=0, world_size=2)
+    job = Rendezvous(spec=spec, store=store, backend="gloo", _keys=keys, _job_store=store)
+    assert not job.joiners_waiting()
+    store.add(_JOINERS, 1)
+    store.add(_JOINERS, 1)
+    assert job.joiners_waiting()
+    keys.set("regroup/1/alive/1", "1")  # rank 1 posted; rank 0 posts in the call
+    members = _agree_on_members(keys, "regroup/1", 0, 2, lambda: [], timeout=5.0, admitted=0)
+    assert members == [0, 1, "+1", "+2"]
+    assert not Rendezvous(
+        spec=spec, store=store, backend="gloo", _job_store=store, admitted=2
+    ).joiners_waiting()
+    members = _agree_on_members(keys, "regroup/2", 0, 4, lambda: [1, 2, 3], timeout=5.0, admitted=2)
+    assert members == [0]  # the others are gone, nobody new waits
