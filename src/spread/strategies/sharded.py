@@ -69,11 +69,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from spread.cluster import ClusterSpec
+from spread.cluster import ClusterSpec, resolve_cluster
+from spread.cluster.rendezvous import default_collective_timeout
 from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
 from spread.errors import SpreadError
@@ -84,6 +85,12 @@ from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
+from spread.strategies.sharded_groups import (
+    ShardGroups,
+    check_shard_group_size,
+    make_shard_groups,
+    resolve_shard_group_size,
+)
 from spread.strategies.sharded_meta import InitFn, materialise
 from spread.strategies.sharded_state import ShardedLayout
 from spread.strategies.tensor_parallel import refuse_dtensor_parameters
@@ -110,6 +117,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             a time). ``"modules"``: every module holding parameters of its own is a unit (least
             memory; each parameter may be read only inside the forward of a module holding it).
             A parameter read by a module outside its unit reads as zeros (see the module doc).
+        shard_group_size: hybrid sharding (HSDP): split the state over groups of this many
+            consecutive ranks instead of over every process, each group holding one whole copy
+            (see :mod:`spread.strategies.sharded_groups`). ``None`` (default): one group, the whole
+            job; ``"node"``: the processes of one machine (``LOCAL_WORLD_SIZE``); an integer that
+            divides the number of processes. Gradients are reduce-scattered within the group, then
+            all-reduced among the ranks holding the same shard in the other groups; parameters are
+            gathered within the group. Every ``shard=`` stage takes it. :attr:`mesh` is then the
+            ``("replicate", "shard")`` DeviceMesh (FSDP2's HSDP mesh).
         cluster: the cluster spec; default: resolved from the environment.
         bucket_cap_mb: size of a parameter block at ``"optimizer"`` and ``"gradients"`` (one
             collective each); at ``"parameters"`` a block is one unit's parameters.
@@ -126,6 +141,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         shard: str = "parameters",
         *,
         units: Units = "model",
+        shard_group_size: int | str | None = None,
         cluster: ClusterSpec | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         init_timeout: float | None = None,
@@ -145,8 +161,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             raise ValueError(
                 f"units must be 'model', 'modules' or a non-empty tuple of nn.Module classes, got {units!r}"
             )
+        check_shard_group_size(shard_group_size)
+        cluster = cluster if cluster is not None else resolve_cluster()
+        group_size = resolve_shard_group_size(shard_group_size, cluster)  # refused before joining the job
         self.shard = shard
         self.units = units
+        self.shard_group_size = shard_group_size
         super().__init__(
             "native",
             cluster=cluster,
@@ -156,6 +176,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             sync_batchnorm=sync_batchnorm,
         )
         self._resources.owner = f"ShardedStrategy rank {self.cluster.rank}"
+        try:
+            self._groups: ShardGroups = make_shard_groups(
+                self.collectives, self.device, group_size, collective_timeout or default_collective_timeout()
+            )
+        except BaseException:
+            self._resources.release()
+            raise
+        self._resources.push(self._groups.release)
         self._blocks: list[ParameterBlock] = []  # in creation order; reduced in reverse
         self._block_of: dict[int, tuple[ParameterBlock, int]] = {}  # id(model parameter) -> (block, index)
         self._shard_to_block: dict[int, ParameterBlock] = {}  # id(shard parameter) -> its block
@@ -237,7 +265,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             groups = _blocks_by_size(pending, int(self.bucket_cap_mb * 2**20))
         created: dict[int, ParameterBlock] = {}  # id(model parameter) -> its new block
         for params in groups:
-            block = ParameterBlock(params, self.collectives, self.shard)
+            block = ParameterBlock(params, self._groups.shard, self.shard, self._groups.replicas)
             self._blocks.append(block)
             for i, p in enumerate(params):
                 created[id(p)] = block
@@ -382,11 +410,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self, params: Sequence[nn.Parameter], *, max_norm: float | None = None, max_value: float | None = None
     ) -> torch.Tensor:
         """The norm over every rank's shards (squared shard norms summed over ranks, collective);
-        each rank clips its shards' gradients by it. Takes model parameters or shards."""
+        each rank clips its shards' gradients by it. Takes model parameters or shards. With hybrid
+        sharding the sum runs over this rank's group (the other groups hold the same gradients)."""
         shards = self._shards_of(params)
         local = local_norm(shards, self.device).double()
         squares = local * local
-        self.collectives.all_reduce(squares, name="sharded.grad_norm")
+        self._groups.shard.all_reduce(squares, name="sharded.grad_norm")  # each group holds them all once
         return clip_by_norm(shards, squares.sqrt().float(), max_norm, max_value)
 
     def check_precision(self, precision: str) -> None:
@@ -417,7 +446,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     def _chunk_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
         if is_per_element(key, value, block.layout.shapes[i]):
-            return block.layout.chunk_of(i, value, self.collectives.rank)
+            return block.layout.chunk_of(i, value, self._groups.shard.rank)
         return value
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -519,15 +548,20 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             return value
         layout = block.layout
         gathered = value.new_empty(layout.world_size * layout.chunks[i])
-        self.collectives.all_gather_into(gathered, value.contiguous(), name="sharded.gather_optimizer_state")
+        self._groups.shard.all_gather_into(
+            gathered, value.contiguous(), name="sharded.gather_optimizer_state"
+        )
         return gathered[: layout.numel(i)].view(layout.shapes[i]).clone()
 
     # Each parameter's (and per-element optimizer state's) chunk is this rank's piece of the flat
     # one-device tensor, at offset rank * chunk: torch.chunk's split, which is DTensor's Shard(0)
-    # on a 1-D mesh. Saved as DTensors, DCP stores each piece with its offset and, at another world
-    # size, reads each rank the saved ranges overlapping its new piece: no rank holds more than its
-    # shard (plus one saved chunk's overlap) on the way in or out.
+    # on a 1-D mesh (``(Replicate(), Shard(0))`` on the hybrid mesh: each group holds every piece).
+    # Saved as DTensors, DCP stores each piece once with its offset and, at another world size or
+    # group size, reads each rank the saved ranges overlapping its new piece: no rank holds more than
+    # its shard (plus one saved chunk's overlap) on the way in or out.
     def _mesh(self) -> DeviceMesh:
+        if self._groups.mesh is not None:
+            return self._groups.mesh
         group = self.collectives.group or torch.distributed.group.WORLD
         assert group is not None, "ShardedStrategy runs inside a process group"
         return DeviceMesh.from_group(group, self.collectives.device.type)
@@ -535,10 +569,22 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
     def _piece(self, block: ParameterBlock, i: int, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         """This rank's ``chunk`` of tensor ``i`` (padding cut off) as its piece of the flat tensor."""
         numel, c = block.layout.numel(i), block.layout.chunks[i]
-        local = chunk[: max(0, min(c, numel - self.collectives.rank * c))]
+        local = chunk[: max(0, min(c, numel - self._groups.shard.rank * c))]
+        placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
         return DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+            local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,)
         )
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """With ``shard_group_size``: the ``("replicate", "shard")`` DeviceMesh of the groups (FSDP2's
+        HSDP mesh); None when the state is split over every process."""
+        return self._groups.mesh
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's position in its group: which chunk of every parameter it holds."""
+        return self._groups.shard.rank
 
     def _managed_names(self, model: nn.Module) -> dict[str, tuple[ParameterBlock, int]]:
         return {
@@ -599,7 +645,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         super().close()
 
     def __repr__(self) -> str:
-        return f"ShardedStrategy(shard={self.shard!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        hybrid = "" if self.shard_group_size is None else f", shard_group_size={self.shard_group_size!r}"
+        return (
+            f"ShardedStrategy(shard={self.shard!r}{hybrid}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
 
 
 def _unit_regions(modules: list[nn.Module], units: Units) -> list[tuple[nn.Module, list[nn.Module]]]:

@@ -25,9 +25,16 @@ from spread.memory.meta_init import become
 class ParameterBlock:
     """Parameters sharded and exchanged together: one all-gather and one reduction each."""
 
-    def __init__(self, params: list[nn.Parameter], collectives: Collectives, shard: str) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        collectives: Collectives,
+        shard: str,
+        replicas: Collectives | None = None,
+    ) -> None:
         self.params = params
-        self.collectives = collectives
+        self.collectives = collectives  # the ranks the parameters are split over
+        self.replicas = replicas  # hybrid sharding: the ranks holding the same shard in other groups
         self.shard = shard
         self.layout = ShardLayout.of([p.shape for p in params], collectives.world_size, extra=len(params))
         rank, world = collectives.rank, collectives.world_size
@@ -67,9 +74,9 @@ class ParameterBlock:
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward pass
         # A prefetch in flight: the collective, its output, and its input (kept alive until done).
         self._gathering: tuple[PendingCollective, torch.Tensor, torch.Tensor] | None = None
-        # A reduction in flight: the collective, the buffer the shards' gradients are cut from, and
-        # where the presence flags are in it.
-        self._reducing: tuple[PendingCollective, torch.Tensor, torch.Tensor] | None = None
+        # A reduction in flight: the collective, the buffer the shards' gradients are cut from, where
+        # the presence flags are in it, and what the replicas all-reduce next (hybrid sharding).
+        self._reducing: tuple[PendingCollective, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _chunk(self, i: int) -> torch.Tensor:
         """This rank's chunk of parameter ``i`` in the flat shard (``shard="parameters"`` only)."""
@@ -161,7 +168,10 @@ class ParameterBlock:
         A presence flag per parameter travels with the gradients, so each rank learns which got a
         gradient on any rank: at ``"optimizer"`` once, after every rank's row (the all-reduced rows
         are the full gradients this stage keeps), else in every rank's row (the reduce-scatter gives
-        each rank its row and the flags)."""
+        each rank its row and the flags).
+
+        With hybrid sharding the sum runs over this rank's group here, and :meth:`finish_reduce` sums
+        the result over the groups (an all-reduce among the replicas of this rank's shard)."""
         layout, world = self.layout, self.collectives.world_size
         grads = [p.grad for p in self.params]
         if any(g is not None and g.is_sparse for g in grads):
@@ -182,11 +192,13 @@ class ParameterBlock:
             rank = self.collectives.rank
             mine = packed[rank * layout.shard_numel : (rank + 1) * layout.shard_numel]
             flags = packed[world * layout.shard_numel :]
+            across = packed  # this stage keeps the full gradients: the same on every rank
         else:
             row = packed.new_empty(layout.row_numel)
             pending = self.collectives.reduce_scatter_async(row, packed, name="sharded.grad_reduce_scatter")
             mine, flags = row[: layout.shard_numel], row[layout.shard_numel :]
-        self._reducing = (pending, mine, flags)
+            across = row
+        self._reducing = (pending, mine, flags, across)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction; a shard without ``.grad`` gets a view of the reduced buffer (no
@@ -194,9 +206,11 @@ class ParameterBlock:
         them, until the optimizer's ``zero_grad``), one with ``.grad`` has it added."""
         if self._reducing is None:
             return
-        pending, mine, flags = self._reducing
+        pending, mine, flags, across = self._reducing
         self._reducing = None
         pending.wait()
+        if self.replicas is not None:  # the group's sum, summed over the groups
+            self.replicas.all_reduce_async(across, name="sharded.grad_all_reduce_replicas").wait()
         layout = self.layout
         present = flags.tolist()
         for i, shard in enumerate(self.shards):

@@ -162,7 +162,7 @@ class ShardedLayout(StateLayout):
         from the restored shards). A parameter saved whole (a one-device checkpoint) is cut."""
         s = self.sharded
         managed = s._managed_names(model)
-        rank = s.collectives.rank
+        rank = s.shard_rank
         with s.reading_released_state():
             everything = model.state_dict(keep_vars=True)
         with torch.no_grad():
