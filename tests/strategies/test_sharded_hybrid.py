@@ -229,3 +229,21 @@ def test_a_two_by_two_backup_resumes_at_two_processes_and_as_four_by_one(tmp_pat
             assert result["restored"] == 9, who
             assert result["from"] == (4 if nprocs != 4 else None), who  # set when the replica count differs
             _assert_close(result, reference["adam"], who)
+
+
+def _one_process_job() -> dict:
+    out = {}
+    for size in ("node", 1):  # one group of one process: plain sharding, allowed
+        strategy = spread.ShardedStrategy(shard="parameters", shard_group_size=size)
+        try:
+            assert strategy.mesh is None
+            out[size] = _fit(strategy, "adam")
+        finally:
+            strategy.close()
+    return out
+
+
+@pytest.mark.processes
+def test_a_job_of_one_process_is_one_group(reference):
+    for size, result in run_ranks(_one_process_job, 1, timeout=120)[0].items():
+        _assert_close(result, reference["adam"], f"shard_group_size={size!r}")

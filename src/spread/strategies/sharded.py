@@ -52,6 +52,14 @@ as zeros of its shape (one element of memory; writing into it raises), and ``mod
 raises rather than return them: use ``strategy.full_state_dict(model)`` or
 :meth:`ShardedStrategy.unsharded` to see the values.
 
+Hybrid sharding (``shard_group_size=``, :mod:`spread.strategies.sharded_groups`): N above is then
+the size of this rank's group, not the job's: the state is split within groups of consecutive ranks
+(one machine's processes with ``"node"``) and each group holds a whole copy. Every stage takes it:
+the block's reduction runs over the group (reduce-scatter; all-reduce at ``"optimizer"``) and its
+result is then all-reduced among the ranks holding the same shard in the other groups; parameters
+are gathered within the group; the clipping norm sums over the group. The data are still split over
+every process (``num_replicas_in_sync`` is the job's size).
+
 Checkpoints (:class:`~spread.strategies.sharded_state.ShardedLayout`) are per rank, through DCP,
 and never gathered; the one-device state for export is ``full_state_dict`` (collective, gathered).
 """
