@@ -2,7 +2,7 @@
 model-state bytes and peak resident memory per rank, and step time, each configuration in processes
 of its own.
 
-    python benchmarks/hsdp_memory.py 4 [--groups 2] [--steps 6] [--json out.json]
+    python benchmarks/hsdp_memory.py 4 [--groups 2] [--steps 6] [--configs ...] [--json out.json]
 
 Workload: Hugging Face ``GPT2LMHeadModel`` from a ``GPT2Config`` (6 layers, d 384, 6 heads, sequence
 128, vocabulary 8192, 13.8 M parameters, 52.8 MiB; ``benchmarks/model_families.py``), AdamW, global
@@ -19,7 +19,8 @@ peak are counted as in ``benchmarks/sharded_memory.py`` (``memory_report`` for s
 storage count over local shards for FSDP2; the resident-set high-water mark over construction and
 the steps, glibc returning freed blocks of 64 KiB or more at once). Step time: the median of the
 steps after the first two (warm-up), rank 0's clock, from ``zero_grad`` to the end of ``step()``.
-``max |w - first|``: weights after the steps against MultiWorkerMirrored's.
+``max |w - first|``: weights after the steps against the first configuration's (MultiWorkerMirrored's
+by default; ``--configs`` picks some).
 """
 
 from __future__ import annotations
@@ -142,13 +143,14 @@ def main() -> None:
     parser.add_argument("nprocs", type=int, nargs="?", default=4)
     parser.add_argument("--groups", type=int, default=2, help="HSDP: number of groups (replicas)")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.nprocs % args.groups:
         parser.error(f"--groups {args.groups} does not divide {args.nprocs} processes")
     results: dict[str, list[dict]] = {}
     first: dict[str, torch.Tensor] | None = None
-    for config in CONFIGS:
+    for config in args.configs:
         per_rank = run_ranks(_job, args.nprocs, args=(config, args.groups, args.steps), timeout=590)
         weights = per_rank[0].pop("weights")
         for r in per_rank[1:]:

@@ -311,6 +311,10 @@ class PendingCollective:
         the collective's buffer, for example)."""
         self._then = finish
 
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return at once (the collective completed, or failed)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             started = time.perf_counter()

@@ -358,6 +358,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._sync and block.trainable:
             block.start_reduce(self._grad_scale)
             self._reducing.append(block)
+            if self._groups.replicas is not None:
+                # Hybrid: each block's all-reduce among the replicas starts once its reduction in the
+                # group is over (in issue order), overlapping the rest of backward.
+                for started in self._reducing:
+                    if not started.advance_reduce(block=False):
+                        break
             while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
                 self._reducing.popleft().finish_reduce()
         if self.shard == "parameters" and block.resident and block.trainable:

@@ -77,6 +77,8 @@ class ParameterBlock:
         # A reduction in flight: the collective, the buffer the shards' gradients are cut from, where
         # the presence flags are in it, and what the replicas all-reduce next (hybrid sharding).
         self._reducing: tuple[PendingCollective, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Its second stage (hybrid sharding: the replicas' all-reduce, None without), and the same views.
+        self._across: tuple[PendingCollective | None, torch.Tensor, torch.Tensor] | None = None
 
     def _chunk(self, i: int) -> torch.Tensor:
         """This rank's chunk of parameter ``i`` in the flat shard (``shard="parameters"`` only)."""
@@ -170,7 +172,7 @@ class ParameterBlock:
         are the full gradients this stage keeps), else in every rank's row (the reduce-scatter gives
         each rank its row and the flags).
 
-        With hybrid sharding the sum runs over this rank's group here, and :meth:`finish_reduce` sums
+        With hybrid sharding the sum runs over this rank's group here, and :meth:`advance_reduce` sums
         the result over the groups (an all-reduce among the replicas of this rank's shard)."""
         layout, world = self.layout, self.collectives.world_size
         grads = [p.grad for p in self.params]
@@ -200,17 +202,35 @@ class ParameterBlock:
             across = row
         self._reducing = (pending, mine, flags, across)
 
+    def advance_reduce(self, *, block: bool = True) -> bool:
+        """The reduction's first stage over: with hybrid sharding, start the all-reduce of its result
+        among the replicas (asynchronous). ``block=False``: only if the first stage completed
+        already. Returns whether the first stage is over. Called on blocks in the order their
+        reductions started, on every rank alike, so the replicas' all-reduces are issued in order."""
+        if self._reducing is None:
+            return True
+        pending, mine, flags, across = self._reducing
+        if not block and not pending.done():
+            return False
+        self._reducing = None
+        pending.wait()
+        second = None
+        if self.replicas is not None:  # the group's sum, summed over the groups
+            second = self.replicas.all_reduce_async(across, name="sharded.grad_all_reduce_replicas")
+        self._across = (second, mine, flags)
+        return True
+
     def finish_reduce(self) -> None:
         """Wait for the reduction; a shard without ``.grad`` gets a view of the reduced buffer (no
         copy: at ``"optimizer"`` the view keeps the all-reduced full gradients, as ZeRO-1 keeps
         them, until the optimizer's ``zero_grad``), one with ``.grad`` has it added."""
-        if self._reducing is None:
+        self.advance_reduce()
+        if self._across is None:
             return
-        pending, mine, flags, across = self._reducing
-        self._reducing = None
-        pending.wait()
-        if self.replicas is not None:  # the group's sum, summed over the groups
-            self.replicas.all_reduce_async(across, name="sharded.grad_all_reduce_replicas").wait()
+        pending, mine, flags = self._across
+        self._across = None
+        if pending is not None:
+            pending.wait()
         layout = self.layout
         present = flags.tolist()
         for i, shard in enumerate(self.shards):
