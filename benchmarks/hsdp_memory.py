@@ -18,7 +18,9 @@ Each trains ``--steps`` steps on the same global batches from the same weights. 
 peak are counted as in ``benchmarks/sharded_memory.py`` (``memory_report`` for spread, the same
 storage count over local shards for FSDP2; the resident-set high-water mark over construction and
 the steps, glibc returning freed blocks of 64 KiB or more at once). Step time: the median of the
-steps after the first two (warm-up), rank 0's clock, from ``zero_grad`` to the end of ``step()``.
+steps after the first two (warm-up), rank 0's clock, from ``zero_grad`` to the end of ``step()``;
+with ``--rounds R`` the configurations run round-robin R times and the median over rounds is shown
+(a shared machine's load drifts over a run: round-robin spreads the drift over every configuration).
 ``max |w - first|``: weights after the steps against the first configuration's (MultiWorkerMirrored's
 by default; ``--configs`` picks some).
 """
@@ -144,31 +146,47 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="HSDP: number of groups (replicas)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the configurations round-robin this many times"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.nprocs % args.groups:
         parser.error(f"--groups {args.groups} does not divide {args.nprocs} processes")
     results: dict[str, list[dict]] = {}
+    rounds: dict[str, list[float]] = {config: [] for config in args.configs}  # rank 0's step time
     first: dict[str, torch.Tensor] | None = None
-    for config in args.configs:
-        per_rank = run_ranks(_job, args.nprocs, args=(config, args.groups, args.steps), timeout=590)
-        weights = per_rank[0].pop("weights")
-        for r in per_rank[1:]:
-            r.pop("weights")
-        first = first if first is not None else weights
-        diff = max(float((weights[k].float() - first[k].float()).abs().max()) for k in first if k in weights)
-        results[config] = [{**r, "max_weight_difference": diff} for r in per_rank]
-        print(f"  done: {config}", file=sys.stderr, flush=True)
+    for round_index in range(args.rounds):
+        for config in args.configs:
+            per_rank = run_ranks(_job, args.nprocs, args=(config, args.groups, args.steps), timeout=590)
+            weights = per_rank[0].pop("weights")
+            for r in per_rank[1:]:
+                r.pop("weights")
+            first = first if first is not None else weights
+            common = [k for k in first if k in weights]
+            diff = max(float((weights[k].float() - first[k].float()).abs().max()) for k in common)
+            rounds[config].append(per_rank[0]["step_seconds"])
+            if round_index == 0:
+                results[config] = [{**r, "max_weight_difference": diff} for r in per_rank]
+            print(f"  done: {config} (round {round_index + 1})", file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"nprocs": args.nprocs, "groups": args.groups, "results": results}, f, indent=1)
+            document = {"nprocs": args.nprocs, "groups": args.groups, "results": results, "rounds": rounds}
+            json.dump(document, f, indent=1)
     size = args.nprocs // args.groups
     print(
         f"{WORKLOAD}, AdamW, {args.nprocs} processes, HSDP {args.groups} x {size}, {args.steps} steps; "
         f"MiB per rank (min-max over ranks); model state after the last step, before zero_grad; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    header = ("parameters", "gradients", "optim state", "model state", "peak RSS", "step s")
+    header = (
+        "parameters",
+        "gradients",
+        "optim state",
+        "model state",
+        "peak RSS",
+        "step s",
+    )  # median of rounds
     print(f"{'configuration':22} " + " ".join(f"{h:>13}" for h in header) + "  max |w - first|")
     for config, per_rank in results.items():
         columns = [[*r["state"], sum(r["state"]), r["peak"]] for r in per_rank]
@@ -176,9 +194,16 @@ def main() -> None:
         for i in range(5):
             lo, hi = min(c[i] for c in columns) / MIB, max(c[i] for c in columns) / MIB
             cells.append(f"{lo:.1f}" if hi - lo < 0.05 else f"{lo:.1f}-{hi:.1f}")
-        cells.append(f"{per_rank[0]['step_seconds']:.3f}")
+        cells.append(f"{statistics.median(rounds[config]):.3f}")
         diff = per_rank[0]["max_weight_difference"]
         print(f"{config:22} " + " ".join(f"{c:>13}" for c in cells) + f"  {diff:.1e}")
+    if args.rounds > 1:
+        print(
+            "step seconds by round (rank 0): "
+            + "; ".join(
+                f"{config} " + " ".join(f"{t:.2f}" for t in times) for config, times in rounds.items()
+            )
+        )
 
 
 if __name__ == "__main__":
