@@ -26,11 +26,19 @@ class MemoryReport:
     gradient_bytes: int  # ``.grad`` tensors and the gradient exchange's own buffers
     optimizer_state_bytes: int
     activation_bytes: int | None = None
+    # Of the three above, the bytes held off the device (``ShardedStrategy(offload=...)``): in host
+    # memory beside an accelerator, in memory-mapped files on a CPU (:func:`offloaded_bytes`).
+    offloaded_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
         """Parameters, gradients and optimizer state together (what ZeRO divides)."""
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """The model state the device holds (a CPU process: in its memory, not in files)."""
+        return self.model_state_bytes - self.offloaded_bytes
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
@@ -49,6 +57,18 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None 
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def offloaded_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device) -> int:
+    """Bytes of the distinct storages behind ``tensors`` held off ``device``: in host memory when
+    ``device`` is an accelerator, or in a memory-mapped file (:mod:`spread.memory.host_store`)."""
+    return storage_bytes(
+        t
+        for t in tensors
+        if t is not None
+        and t.device.type == "cpu"
+        and (device.type != "cpu" or t.untyped_storage().filename is not None)
+    )
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -66,6 +66,7 @@ and never gathered; the one-device state for export is ``full_state_dict`` (coll
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,7 +88,7 @@ from spread.comm import DEFAULT_BUCKET_CAP_MB
 from spread.data import StepInfo
 from spread.errors import SpreadError
 from spread.memory.meta_init import MetaInitRecorder
-from spread.memory.report import MemoryReport, optimizer_state_tensors, storage_bytes
+from spread.memory.report import MemoryReport, offloaded_bytes, optimizer_state_tensors, storage_bytes
 from spread.strategies.base import replica_weights
 from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
@@ -100,6 +101,7 @@ from spread.strategies.sharded_groups import (
     resolve_shard_group_size,
 )
 from spread.strategies.sharded_meta import InitFn, materialise
+from spread.strategies.sharded_offload import ShardOffload, check_offload
 from spread.strategies.sharded_state import ShardedLayout
 from spread.strategies.tensor_parallel import refuse_dtensor_parameters
 
@@ -136,6 +138,13 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         cluster: the cluster spec; default: resolved from the environment.
         bucket_cap_mb: size of a parameter block at ``"optimizer"`` and ``"gradients"`` (one
             collective each); at ``"parameters"`` a block is one unit's parameters.
+        offload: ``"optimizer"``: the optimizer's state (and beside an accelerator the shards it
+            steps, their gradients, and the step itself) lives off the device: in pinned host
+            memory beside an accelerator, in memory-mapped files on a CPU. ``"parameters"``
+            (``shard="parameters"`` only): the parameter shards too. See
+            :mod:`spread.strategies.sharded_offload`. Default None: nothing offloaded.
+        offload_dir: on a CPU, where each rank's offload files are made (a directory of its own,
+            removed at :meth:`close`; the files are unlinked once mapped). Default: ``TMPDIR``.
         init_timeout, collective_timeout, sync_batchnorm: as for MultiWorkerMirroredStrategy.
 
     Collectives are torch.distributed's ``reduce_scatter_single`` (on gloo an in-place
@@ -155,9 +164,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         init_timeout: float | None = None,
         collective_timeout: float | None = None,
         sync_batchnorm: bool = False,
+        offload: str | None = None,
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if shard not in SHARD_STAGES:
             raise ValueError(f"shard must be one of {SHARD_STAGES}, got {shard!r}")
+        check_offload(offload, shard, offload_dir)
         if not (
             units in ("model", "modules")
             or (
@@ -216,6 +228,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._reading_state = False  # the layout reads released parameters' names and buffers
         self._recorder: MetaInitRecorder | None = None  # the last scope's, until its models are adopted
         self._init_fn: InitFn | None = None  # prepare_model's, while it runs
+        self.offload = offload
+        self._offload = (
+            ShardOffload(offload, self.device, rank=self.cluster.rank, directory=offload_dir)
+            if offload
+            else None
+        )
 
     # -- variables ---------------------------------------------------------------------------------
     def _check_new_parameters(self, params: list[nn.Parameter]) -> None:
@@ -281,6 +299,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 self._shard_to_block[id(block.shards[i])] = block
         if self.shard == "parameters":
             materialise(self, recorder, modules, self._init_fn)
+        if self._offload is not None:
+            for block in {id(b): b for b in created.values()}.values():
+                self._offload.place(block)
         super()._on_new_modules(modules)  # BatchNorm and buffer averaging, as MultiWorkerMirrored
         for params in groups:
             for p in params:
@@ -455,6 +476,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 optimizer.state[block.shards[i]] = {
                     k: self._chunk_state(block, i, k, v) for k, v in state.items()
                 }
+        if self._offload is not None:
+            self._offload.adopt_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         self._prepared.add(optimizer)
         return optimizer
 
@@ -471,8 +494,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             id(p) in self._block_of for group in optimizer.param_groups for p in group["params"]
         ):
             self.prepare_optimizer(optimizer)
+        if self._offload is not None and optimizer in self._prepared:
+            self._offload.step(optimizer, lambda p: id(p) in self._shard_to_block, args, kwargs)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._offload is not None:
+            self._offload.after_step()
         if self._closed:
             return
         stepped = {
@@ -561,11 +588,10 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if not is_per_element(key, value, block.shards[i].shape):
             return value
         layout = block.layout
-        gathered = value.new_empty(layout.world_size * layout.chunks[i])
-        self._groups.shard.all_gather_into(
-            gathered, value.contiguous(), name="sharded.gather_optimizer_state"
-        )
-        return gathered[: layout.numel(i)].view(layout.shapes[i]).clone()
+        local = value.to(self.collectives.device).contiguous()  # offloaded state is on the host
+        gathered = local.new_empty(layout.world_size * layout.chunks[i])
+        self._groups.shard.all_gather_into(gathered, local, name="sharded.gather_optimizer_state")
+        return gathered[: layout.numel(i)].view(layout.shapes[i]).to(value.device, copy=True)
 
     # Each parameter's (and per-element optimizer state's) chunk is this rank's piece of the flat
     # one-device tensor, at offset rank * chunk: torch.chunk's split, which is DTensor's Shard(0)
@@ -620,22 +646,35 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Bytes this rank holds: the model's parameters (0 for released ones) and its shards (views
         of them below ``"parameters"``: counted once); the model's and the shards' gradients (with
-        the reduced buffers they are views of); ``optimizer``'s state."""
+        the reduced buffers they are views of); ``optimizer``'s state. With ``offload``, the part of
+        them held off the device is ``offloaded_bytes`` (the device's copies of host shards count as
+        parameters held on it)."""
         seen: set[int] = set()
         shards = [s for b in self._blocks for s in b.shards]
+        copies = [c for b in self._blocks if (c := b.device_copy) is not None]
         params = storage_bytes(
-            [*self.managed_parameters, *(f for b in self._blocks for f in b.full), *shards], seen
+            [*self.managed_parameters, *(f for b in self._blocks for f in b.full), *shards, *copies], seen
         )
         grads = storage_bytes(
             [*(p.grad for p in self.managed_parameters), *(s.grad for s in shards)],
             seen,
         )
-        state = storage_bytes(optimizer_state_tensors(optimizer), seen)
+        state_tensors = optimizer_state_tensors(optimizer)
+        state = storage_bytes(state_tensors, seen)
+        everything = [
+            *self.managed_parameters,
+            *(f for b in self._blocks for f in b.full),
+            *shards,
+            *(p.grad for p in self.managed_parameters),
+            *(s.grad for s in shards),
+            *state_tensors,
+        ]
         return MemoryReport(
             parameter_bytes=params,
             gradient_bytes=grads,
             optimizer_state_bytes=state,
             activation_bytes=self._activation_bytes,
+            offloaded_bytes=offloaded_bytes(everything, self.device),
         )
 
     def check_recoverable(self) -> None:
@@ -656,13 +695,15 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._offload is not None:
+            self._offload.close()
         super().close()
 
     def __repr__(self) -> str:
         hybrid = "" if self.shard_group_size is None else f", shard_group_size={self.shard_group_size!r}"
-        return (
-            f"ShardedStrategy(shard={self.shard!r}{hybrid}, num_replicas_in_sync={self.num_replicas_in_sync})"
-        )
+        offload = f", offload={self.offload!r}" if self.offload else ""
+        replicas = self.num_replicas_in_sync
+        return f"ShardedStrategy(shard={self.shard!r}{hybrid}{offload}, num_replicas_in_sync={replicas})"
 
 
 def _unit_regions(modules: list[nn.Module], units: Units) -> list[tuple[nn.Module, list[nn.Module]]]:

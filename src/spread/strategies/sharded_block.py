@@ -36,6 +36,7 @@ class ParameterBlock:
         self.collectives = collectives  # the ranks the parameters are split over
         self.replicas = replicas  # hybrid sharding: the ranks holding the same shard in other groups
         self.shard = shard
+        self.device = collectives.device  # where collectives run (the shards may live on the host: offload)
         self.layout = ShardLayout.of([p.shape for p in params], collectives.world_size, extra=len(params))
         rank, world = collectives.rank, collectives.world_size
         self.flat_shard: torch.Tensor | None = None  # "parameters": this rank's chunks, the only copy
@@ -79,6 +80,10 @@ class ParameterBlock:
         self._reducing: tuple[PendingCollective, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # Its second stage (hybrid sharding: the replicas' all-reduce, None without), and the same views.
         self._across: tuple[PendingCollective | None, torch.Tensor, torch.Tensor] | None = None
+        # Offload beside an accelerator (spread.strategies.sharded_offload) with the flat shard on the
+        # host: whether the device keeps a copy of it, and that copy with the versions it was made at.
+        self.keep_device_copy = False
+        self._device_copy: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def _chunk(self, i: int) -> torch.Tensor:
         """This rank's chunk of parameter ``i`` in the flat shard (``shard="parameters"`` only)."""
@@ -93,7 +98,7 @@ class ParameterBlock:
         with torch.no_grad():
             self._chunk(i).copy_(self.layout.chunk_of(i, value, self.collectives.rank))
         if p.is_meta:
-            become(p, torch.empty(p.shape, dtype=p.dtype, device=self._chunk(i).device))
+            become(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
         self.full[i] = p.data
         self._stand_ins[i] = p.data.new_zeros(1).expand(p.shape)
         p.data = self._stand_ins[i]
@@ -106,13 +111,28 @@ class ParameterBlock:
         if self.resident or self._gathering is not None:
             return
         layout = self.layout
-        if self.flat_shard is not None:
-            mine = self.flat_shard
-        else:  # the shards are views of the parameters: packed for the collective, then dropped
-            mine = torch.cat([s.detach() for s in self.shards])
+        mine = self._shard_on_device()
         gathered = mine.new_empty(layout.world_size * layout.shard_numel)
         pending = self.collectives.all_gather_into_async(gathered, mine, name="sharded.all_gather_parameters")
         self._gathering = (pending, gathered, mine)
+
+    def _shard_on_device(self) -> torch.Tensor:
+        """This rank's chunks, flat, on the device the collectives run on: the flat shard, or the shards
+        packed (views of the parameters, or host copies under offload: packed, then dropped). A flat
+        shard on the host is copied (or its device copy reused while neither it nor a shard changed:
+        in-place writes bump their version counters)."""
+        if self.flat_shard is not None:
+            mine = self.flat_shard
+        else:
+            mine = torch.cat([s.detach() for s in self.shards])
+        if mine.device == self.device:
+            return mine
+        if not self.keep_device_copy:
+            return mine.to(self.device, non_blocking=True)
+        versions = (mine._version, *(s._version for s in self.shards))
+        if self._device_copy is None or self._device_copy[0] != versions:
+            self._device_copy = (versions, mine.to(self.device, non_blocking=True))
+        return self._device_copy[1]
 
     def gather(self) -> None:
         """Make the model's parameters hold their full values (the collective, unless a prefetch
@@ -148,18 +168,27 @@ class ParameterBlock:
         self.resident = False
 
     @property
+    def device_copy(self) -> torch.Tensor | None:
+        """The device's copy of a flat shard kept on the host (offload), if one was made."""
+        return None if self._device_copy is None else self._device_copy[1]
+
+    @property
     def gathering(self) -> bool:
         """Whether a prefetch of this block is in flight."""
         return self._gathering is not None
 
     def refresh_shards(self) -> None:
-        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load (the
-        shards are views of the parameters' own chunks below ``"parameters"``: nothing to take)."""
-        if self.flat_shard is None:
-            return
+        """Take this rank's chunks from the model's (resident) parameters, e.g. after a load (a shard
+        that is a view of its parameter's own chunk, below ``"parameters"``, has nothing to take)."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.shards[i].copy_(self.layout.chunk_of(i, p, self.collectives.rank))
+                shard = self.shards[i]
+                if (
+                    self.flat_shard is None
+                    and shard.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                ):
+                    continue
+                shard.copy_(self.layout.chunk_of(i, p, self.collectives.rank))
 
     # -- gradients ---------------------------------------------------------------------------------
     def start_reduce(self, grad_scale: float) -> None:
@@ -178,13 +207,14 @@ class ParameterBlock:
         grads = [p.grad for p in self.params]
         if any(g is not None and g.is_sparse for g in grads):
             raise SpreadError("ShardedStrategy does not shard sparse gradients (nn.Embedding(sparse=True))")
-        present = torch.tensor([g is not None for g in grads], dtype=self.shards[0].dtype)
+        dtype = self.shards[0].dtype
+        present = torch.tensor([g is not None for g in grads], dtype=dtype)
         if self.shard == "optimizer":
-            packed = self.shards[0].new_empty(world * layout.shard_numel + layout.extra)
+            packed = torch.empty(world * layout.shard_numel + layout.extra, dtype=dtype, device=self.device)
             _without_flags(layout).pack(grads, packed[: world * layout.shard_numel], grad_scale)
             packed[world * layout.shard_numel :] = present
         else:
-            packed = self.shards[0].new_empty(world * layout.row_numel)
+            packed = torch.empty(world * layout.row_numel, dtype=dtype, device=self.device)
             layout.pack(grads, packed, grad_scale)
             packed.view(world, layout.row_numel)[:, layout.shard_numel :] = present
         for p in self.params:
@@ -238,10 +268,19 @@ class ParameterBlock:
                 continue  # no rank produced a gradient for it: as on one device, it keeps none
             off, c = layout.offsets[i], layout.chunks[i]
             grad = mine[off : off + c]
+            if grad.device != shard.device:  # offload: the shard and its gradient live on the host
+                grad = _to_host(grad, shard.device)
             if shard.grad is None:
                 shard.grad = grad
             else:
                 shard.grad.add_(grad)
+
+
+def _to_host(grad: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``grad`` on ``device`` (the host), pinned beside an accelerator."""
+    host = torch.empty(grad.shape, dtype=grad.dtype, device=device, pin_memory=grad.device.type != "cpu")
+    host.copy_(grad)
+    return host
 
 
 def _own_chunk(p: nn.Parameter, chunk: int, world: int, rank: int) -> torch.Tensor:

@@ -202,6 +202,8 @@ class ShardedLayout(StateLayout):
             fill_chunk(chunk, piece)
             mine.setdefault(index, {})[key] = chunk
         optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
+        if s._offload is not None:  # loaded state is in memory: to the files (or the host) again
+            s._offload.adopt_state(optimizer, params)
 
 
 def _empty(shard: torch.Tensor, dtype: str) -> torch.Tensor:
