@@ -151,7 +151,7 @@ def _job(kind: str, layers: int, width: int, steps: int, limit: int, cgroup: int
         strategy = spread.MultiWorkerMirroredStrategy("native")  # the process group FSDP2 runs on
     group = None
     try:
-        model, optimizer, step = _build(kind, strategy, layers, width)
+        _model_built, optimizer, step = _build(kind, strategy, layers, width)
         if limit:
             resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData") + limit, resource.RLIM_INFINITY))
         if cgroup:
@@ -222,7 +222,8 @@ def main() -> None:
     )
     print("per rank, max over ranks, MB above the start (after building):")
     print(
-        f"  {'configuration':30} {'peak anon':>10} {'peak resident':>14} {'step s':>8} {'x sharded':>10}  state"
+        f"  {'configuration':30} {'peak anon':>10} {'peak resident':>14} {'step s':>8} "
+        f"{'x sharded':>10}  state"
     )
     base = None
     for kind in args.configs.split(","):

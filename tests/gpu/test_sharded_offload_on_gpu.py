@@ -57,7 +57,7 @@ def _loop(strategy, name: str) -> dict:
     for i in range(STEPS):
         xb, yb = x[i * BATCH : (i + 1) * BATCH].to(device), y[i * BATCH : (i + 1) * BATCH].to(device)
         optimizer.zero_grad()
-        strategy.run(lambda: loss_fn(model(xb), yb).backward())
+        strategy.run(lambda a, b: loss_fn(model(a), b).backward(), args=(xb, yb))
         optimizer.step()
     out: dict = {
         "weights": {k: v.detach().cpu() for k, v in strategy.full_state_dict(model).items()},
@@ -68,7 +68,7 @@ def _loop(strategy, name: str) -> dict:
         out["model_on"] = {p.device.type for p in model.parameters()}
         out["shards_pinned"] = all(p.device.type == "cpu" and p.is_pinned() for p in shards)
         optimizer.zero_grad(set_to_none=False)
-        strategy.run(lambda: loss_fn(model(xb), yb).backward())
+        strategy.run(lambda a, b: loss_fn(model(a), b).backward(), args=(xb, yb))
         out["grads_pinned"] = all(p.grad is not None and p.grad.is_pinned() for p in shards)
         out["state_on"] = {
             v.device.type for p in shards for k, v in optimizer.state[p].items() if k != "step"
