@@ -15,8 +15,10 @@ Memory, per rank, above the moment after building the model (so the parameter sh
 start): *anonymous* is the peak of ``RssAnon`` (``/proc/self/status``, sampled every millisecond by a
 thread: a lower bound of the true peak), the memory no kernel can take back without swap; *resident*
 is ``VmHWM`` (anonymous and file pages together: the mapped state's pages count while resident, and
-the kernel evicts them, written back, when memory is short). glibc's mmap threshold is fixed at 64 KB
-(``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the resident set. Step time: the median of the
+the kernel evicts them, written back, when memory is short). *anon total*: the peak ``RssAnon``
+itself (with the start: Python, torch, gloo, and the parameter shards where they are in memory).
+glibc's mmap threshold is fixed at 64 KB (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the
+resident set. Step time: the median of the
 steps after the first two (the first makes the optimizer state).
 
 Limits (each configuration once more under them): ``--limit-mb``: ``RLIMIT_DATA`` at the rank's
@@ -222,7 +224,7 @@ def main() -> None:
     )
     print("per rank, max over ranks, MB above the start (after building):")
     print(
-        f"  {'configuration':30} {'peak anon':>10} {'peak resident':>14} {'step s':>8} "
+        f"  {'configuration':30} {'peak anon':>10} {'peak resident':>14} {'anon total':>11} {'step s':>8} "
         f"{'x sharded':>10}  state"
     )
     base = None
@@ -250,6 +252,7 @@ def main() -> None:
             continue
         values = [r.value for r in results]
         anon = max(v["anon"] for v in values)
+        anon_total = max(v["anon"] + v["start_anon"] for v in values)
         resident = max(v["resident"] for v in values)
         step_s = max(v["step_s"] for v in values)
         base = base or (step_s if kind == "sharded" else None)
@@ -261,7 +264,8 @@ def main() -> None:
                 f"in files {values[0]['offloaded'] / 1e6:,.0f} MB (rank 0)"
             )
         print(
-            f"  {kind:30} {anon / 1e6:>10,.0f} {resident / 1e6:>14,.0f} {step_s:>8.2f} {ratio:>10}  {state}"
+            f"  {kind:30} {anon / 1e6:>10,.0f} {resident / 1e6:>14,.0f} {anon_total / 1e6:>11,.0f} "
+            f"{step_s:>8.2f} {ratio:>10}  {state}"
         )
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
