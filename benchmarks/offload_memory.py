@@ -25,8 +25,10 @@ Limits (each configuration once more under them): ``--limit-mb``: ``RLIMIT_DATA`
 ``VmData`` after building plus this, bounding private writable mappings (anonymous memory; not the
 shared file mappings offload uses, where ``RLIMIT_AS`` would count both). ``--cgroup-mb``: each rank
 moves itself into a memory cgroup of its own (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``,
-where this process may make one) limited to its usage after building plus this: anonymous memory
-and page cache together, as a container's limit; the kernel reclaims the mapped files' pages.
+where this process may make one) limited to this: what it holds already stays charged to its old
+cgroup, so the limit is on what it allocates after building, anonymous memory and page cache
+together, as a container's limit; the kernel reclaims the mapped files' pages (written back), and
+kills the process when anonymous memory alone exceeds it (there is no swap here).
 """
 
 from __future__ import annotations
@@ -99,9 +101,7 @@ def _own_cgroup(limit_bytes: int) -> Path | None:
         group = root / f"spread-offload-{os.getpid()}"
         try:
             group.mkdir()
-            if v1:
-                (group / "memory.move_charge_at_immigrate").write_text("3")  # take this process's pages
-            (group / "cgroup.procs").write_text(str(os.getpid()))
+            (group / "cgroup.procs").write_text(str(os.getpid()))  # what it holds stays charged where it was
             usage = int((group / ("memory.usage_in_bytes" if v1 else "memory.current")).read_text())
             (group / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(usage + limit_bytes))
             return group
