@@ -247,3 +247,31 @@ def _one_process_job() -> dict:
 def test_a_job_of_one_process_is_one_group(reference):
     for size, result in run_ranks(_one_process_job, 1, timeout=120)[0].items():
         _assert_close(result, reference["adam"], f"shard_group_size={size!r}")
+
+
+# -- hybrid sharding with offload ----------------------------------------------------------------------
+def _hybrid_offload_job(directory: str) -> dict:
+    out, owner = {}, None  # the first strategy owns the job's group: closed last, as in _hybrid_job
+    try:
+        for offload in ("optimizer", "parameters"):
+            strategy = spread.ShardedStrategy(
+                shard="parameters", units=(Block,), shard_group_size=2, offload=offload, offload_dir=directory
+            )
+            owner = owner or strategy
+            out[offload] = _fit(strategy, "adam")
+            if strategy is not owner:
+                strategy.close()
+        return out
+    finally:
+        if owner is not None:
+            owner.close()
+
+
+@pytest.mark.processes
+def test_two_groups_of_two_with_offloaded_shards_equal_one_device(tmp_path, reference):
+    """Offload composes with hybrid sharding: each group's shards, in memory-mapped files here, step to
+    one device's weights and Adam state."""
+    per_rank = run_ranks(_hybrid_offload_job, 4, args=(str(tmp_path),), timeout=300)
+    for rank, results in enumerate(per_rank):
+        for offload, result in results.items():
+            _assert_close(result, reference["adam"], f"rank {rank}, offload={offload}")
