@@ -20,7 +20,8 @@ from spread.testing.ps_jobs import free_ports
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 # Trains a few steps of MultiWorkerMirrored (so spread's job-token handshake runs across machines)
-# and says where it ran: ``sys.argv[1]`` seconds of steps (0.5 s each) alone, 3 s with others.
+# and says where it ran: ``sys.argv[1]`` seconds of steps (0.5 s each) alone, 3 s with others (or
+# $TOGETHER_SECONDS).
 _SCRIPT = """
 import os, sys, time
 import torch
@@ -30,7 +31,8 @@ strategy = spread.MultiWorkerMirroredStrategy()
 total = strategy.reduce("sum", torch.tensor([float(strategy.rank + 1)]))
 print(f"rank {strategy.rank} of {strategy.num_replicas_in_sync} node {os.environ['GROUP_RANK']} "
       f"sum {total.item():g} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
-seconds = float(sys.argv[1]) if strategy.num_replicas_in_sync == 1 else 3.0  # alike on every rank
+together = float(os.environ.get("TOGETHER_SECONDS", "3"))
+seconds = float(sys.argv[1]) if strategy.num_replicas_in_sync == 1 else together  # alike on every rank
 for _ in range(int(seconds / 0.5)):
     strategy.reduce("sum", torch.ones(1))
     time.sleep(0.5)
@@ -55,12 +57,18 @@ def _node(job: dict, *flags: str, seconds: float = 0, env: dict | None = None) -
 
 
 def _elastic(
-    job: dict, nproc: int, nnodes: str, *more: str, conf: str = "", seconds: float = 0
+    job: dict,
+    nproc: int,
+    nnodes: str,
+    *more: str,
+    conf: str = "",
+    seconds: float = 0,
+    env: dict | None = None,
 ) -> subprocess.Popen:
     endpoint = f"127.0.0.1:{job['port']}"
     flags = ["-n", str(nproc), "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-id", "job-1"]
     conf = f"last_call_timeout=1,join_timeout=120,{conf}"
-    return _node(job, *flags, "--rdzv-conf", conf, *more, seconds=seconds)
+    return _node(job, *flags, "--rdzv-conf", conf, *more, seconds=seconds, env=env)
 
 
 def _finish(*nodes: subprocess.Popen) -> list[tuple[int, str]]:
@@ -100,8 +108,11 @@ def test_a_machine_that_joins_later_starts_a_new_round_at_the_larger_size(job: d
 
 def test_a_lost_machine_is_survived_at_the_smaller_size_with_max_restarts(job: dict) -> None:
     # The machine at the endpoint hosts the rendezvous (as under torchrun): the survivor here.
-    first = _elastic(job, 1, "1:2", "--max-restarts", "1", conf="is_host=1", seconds=4)
-    second = _elastic(job, 1, "1:2", conf="is_host=0")
+    # Together they train until one is killed: on a loaded machine 3 s could pass before the kill, and
+    # the job would end without a loss to survive.
+    together = dict(job["env"], TOGETHER_SECONDS="120")
+    first = _elastic(job, 1, "1:2", "--max-restarts", "1", conf="is_host=1", seconds=4, env=together)
+    second = _elastic(job, 1, "1:2", conf="is_host=0", env=together)
     assert second.stdout is not None
     for line in second.stdout:  # both in the round of two
         if "of 2 node" in line:
