@@ -2,7 +2,8 @@
 ranks loses rank 2 (SIGKILL before a step, SIGKILL mid-backward while its peers are in the gradient
 all-reduce, SIGSTOP, preemption by SIGTERM); the two survivors regroup in place, without restarting
 or reloading anything, repeat the step in flight with the same global batch and end with the weights
-of the uninterrupted 3-rank run. Strategies that cannot regroup are refused by name."""
+of the uninterrupted 3-rank run. Strategies that cannot regroup are refused by name (ShardedStrategy's
+recovery: test_sharded_recovery_without_restart.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(uninterr
             )
 
 
-@pytest.mark.parametrize("name", ["PipelineStrategy", "ShardedStrategy", "ParameterServerStrategy"])
+@pytest.mark.parametrize("name", ["PipelineStrategy", "ParameterServerStrategy"])
 def test_strategies_that_cannot_regroup_are_refused_by_name(name):
     import spread
     from spread.errors import SpreadError
@@ -59,6 +60,19 @@ def test_strategies_that_cannot_regroup_are_refused_by_name(name):
     cls = getattr(spread, name)
     with pytest.raises(SpreadError, match=f"{name} cannot recover without restart"):
         cls.check_recoverable(object.__new__(cls))
+
+
+def test_sharded_strategy_recovers_only_when_built_under_spread_run_recover():
+    """It keeps the buddy copy of its neighbour's shard only then (tests/train/
+    test_sharded_recovery_without_restart.py runs the recovery itself)."""
+    import spread
+    from spread.errors import SpreadError
+
+    strategy = object.__new__(spread.ShardedStrategy)
+    strategy._rendezvous, strategy._sync_batchnorm, strategy._data_axis = object(), False, None
+    strategy._buddy, strategy.awaiting_state = None, False
+    with pytest.raises(SpreadError, match="only when built under spread run --recover"):
+        strategy.check_recoverable()
 
 
 def test_fit_under_spread_run_recover_refuses_a_strategy_that_cannot_regroup(monkeypatch):

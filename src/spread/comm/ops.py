@@ -274,6 +274,23 @@ class Collectives:
             raise classify_error(self.rank, name, seq, exc) from exc
         return PendingCollective(work, self.rank, name, seq, self._count_wait)
 
+    def ring_shift(
+        self, send: Sequence[torch.Tensor], receive: Sequence[torch.Tensor], *, name: str = "ring_shift"
+    ) -> None:
+        """Point to point around the ring: ``send`` goes to rank ``rank - 1``, ``receive`` is filled
+        from rank ``rank + 1`` (both modulo the world size; shapes alike on every rank). One batch of
+        sends and receives, so no rank waits for its left neighbour before serving its right one."""
+        if self.world_size == 1:
+            for out, value in zip(receive, send, strict=True):
+                out.copy_(value)
+            return
+        left, right = (self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size
+        ops = [dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=left) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=right) for t in receive]
+        with self._guard(name):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
     def barrier(self, *, name: str = "barrier") -> None:
         if self.world_size == 1:
             return

@@ -235,10 +235,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
         self._join(self._rendezvous)
         self._buffer_weight = 1.0 / self.collectives.world_size
-        if self.managed_parameters:
-            self._reducer = self._make_reducer()
+        self._after_regroup(old.world_size, [r for r in range(old.world_size) if r not in members])
         self._buffers_stale = True
         self._on_new_modules([])
+
+    def _after_regroup(self, old_world: int, lost: list[int]) -> None:
+        """What follows the new group at a regroup (``lost``: the old ranks that are gone): here the
+        gradient exchange over it."""
+        if self.managed_parameters:
+            self._reducer = self._make_reducer()
 
     def joiners_waiting(self) -> bool:
         """Whether processes wait to join the job: one read of the store (the Trainer's chief reads it

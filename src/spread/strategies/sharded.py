@@ -82,6 +82,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from spread import env
 from spread.cluster import ClusterSpec, resolve_cluster
 from spread.cluster.rendezvous import default_collective_timeout
 from spread.comm import DEFAULT_BUCKET_CAP_MB
@@ -94,6 +95,7 @@ from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
+from spread.strategies.sharded_buddy import BuddyCopy, check_recoverable_loss, reassemble
 from spread.strategies.sharded_groups import (
     ShardGroups,
     check_shard_group_size,
@@ -184,6 +186,14 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         check_shard_group_size(shard_group_size)
         cluster = cluster if cluster is not None else resolve_cluster()
         group_size = resolve_shard_group_size(shard_group_size, cluster)  # refused before joining the job
+        if os.environ.get(env.RECOVER, "") == "1" and (offload or group_size < cluster.world_size):
+            # The buddy copy (sharded_buddy) keeps a neighbour's shard in ordinary memory over the whole
+            # job's ring; offloaded shards and hybrid groups would need a copy of their own layout.
+            raise ValueError(
+                "spread run --recover (recovery without restart) is not available for ShardedStrategy with "
+                f"offload={offload!r} or shard_group_size={shard_group_size!r} yet: drop --recover and use "
+                "--max-restarts with BackupAndRestore, or drop offload / shard_group_size"
+            )
         self.shard = shard
         self.units = units
         self.shard_group_size = shard_group_size
@@ -234,6 +244,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             if offload
             else None
         )
+        # Recovery without restart (spread run --recover only): the ring neighbour's shard, kept at
+        # each step boundary (sharded_buddy), and after a regroup (old rank, old world, lost ranks)
+        # until the state is rebuilt for the new world.
+        self._buddy = BuddyCopy() if os.environ.get(env.RECOVER, "") == "1" else None
+        self._regrouped: tuple[int, int, list[int]] | None = None
 
     # -- variables ---------------------------------------------------------------------------------
     def _check_new_parameters(self, params: list[nn.Parameter]) -> None:
@@ -479,6 +494,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._offload is not None:
             self._offload.adopt_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         self._prepared.add(optimizer)
+        if self._buddy is not None and self._blocks:  # a loss before the first step is recoverable too
+            self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
         return optimizer
 
     def _chunk_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
@@ -510,6 +527,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         }
         if not stepped:
             return
+        self.steps_applied += 1
+        if self._buddy is not None:  # first: a loss in the gathers after it stays recoverable
+            self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
         blocks = [b for b in self._blocks if id(b) in stepped]
         gathering: deque[ParameterBlock] = deque()
         for block in blocks:
@@ -526,6 +546,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             block.gather()
         if self._buffers is not None:
             self._buffers.sync(self._buffer_weight)
+        self.steps_with_buffers += 1
 
     # -- state: the seam's layout (spread.strategies.sharded_state) -------------------------------
     def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -677,18 +698,100 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             offloaded_bytes=offloaded_bytes(everything, self.device),
         )
 
+    # -- recovery without restart (spread run --recover; sharded_buddy) ------------------------------
     def check_recoverable(self) -> None:
-        """Refused: each rank holds the only copy of its shard of the parameters (stage 3) and of the
-        optimizer state (every stage), so after a loss the survivors cannot rebuild the exact state
-        from memory. The way in (docs/reliability.md): a buddy copy of the neighbour's shard,
-        refreshed at each step boundary."""
-        raise SpreadError(
-            f"{type(self).__name__} cannot recover without restart (spread run --recover, SPREAD_RECOVER=1): "
-            f"a lost rank's shard of the optimizer state (and, with shard='parameters', of the weights) "
-            f"exists nowhere else in memory, so the survivors cannot continue exactly. Run without "
-            f"--recover: --max-restarts with BackupAndRestore restarts every rank from the last backup, "
-            f"at any world size"
+        super().check_recoverable()
+        if self._buddy is None:
+            raise SpreadError(
+                "ShardedStrategy recovers without restart only when built under spread run --recover "
+                "(SPREAD_RECOVER=1 in the environment before the strategy): it then keeps a buddy copy "
+                "of its ring neighbour's shard at each step boundary"
+            )
+        if self.awaiting_state:
+            raise SpreadError(
+                "a machine cannot join a running ShardedStrategy job yet (spread run --recover grows "
+                "MultiWorkerMirrored jobs only): its survivors continue at the smaller world size"
+            )
+
+    def joiners_waiting(self) -> bool:
+        """Never: joining a running sharded job is not supported yet (see :meth:`check_recoverable`)."""
+        return False
+
+    def regroup(self) -> None:
+        """As MultiWorkerMirrored's, after dropping what the broken group left in flight; the shards
+        are rebuilt for the new world by :meth:`broadcast_training_state` (collective)."""
+        self.check_recoverable()
+        old_rank = self.collectives.rank
+        for block in self._blocks:
+            block.abandon_in_flight()
+        self._reducing.clear()
+        self._queued, self._next_reduce = False, 0
+        super().regroup()
+        assert self._regrouped is not None
+        _, old_world, lost = self._regrouped
+        self._regrouped = (old_rank, old_world, lost)
+
+    def _after_regroup(self, old_world: int, lost: list[int]) -> None:
+        check_recoverable_loss(old_world, lost)
+        self._regrouped = (-1, old_world, lost)  # regroup() fills in the old rank
+
+    def broadcast_training_state(self, src: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """After a regroup: every old rank's shard rebuilt from the survivors' own and the buddy copies
+        of the lost ranks' (:func:`~spread.strategies.sharded_buddy.reassemble`), cut again for the
+        new world; buffers and step counts from ``src``; then a fresh buddy copy."""
+        self.check_recoverable()
+        assert self._buddy is not None and self._regrouped is not None, (
+            "broadcast_training_state follows regroup"
         )
+        old_rank, old_world, lost = self._regrouped
+        if optimizer is not None:
+            self.prepare_optimizer(optimizer)
+        whole = reassemble(
+            self.collectives,
+            old_rank,
+            old_world,
+            lost,
+            self._blocks,
+            optimizer,
+            self._buddy,
+            self.steps_applied,
+        )
+        self._regrouped = None
+        old_shards = {id(s): (j, i) for j, b in enumerate(self._blocks) for i, s in enumerate(b.shards)}
+        kept: dict[tuple[int, int], dict[str, Any]] = {}  # old shard's place -> its optimizer state
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in old_shards:
+                        kept[old_shards[id(p)]] = dict(optimizer.state.get(p, {}))
+        self._shard_to_block.clear()
+        for j, block in enumerate(self._blocks):
+            block.reshard(self.collectives, [whole[(j, i, "")] for i in range(len(block.params))])
+            for shard in block.shards:
+                self._shard_to_block[id(shard)] = block
+            if self.shard == "parameters":
+                block.release()
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                group["params"] = [
+                    self._blocks[old_shards[id(p)][0]].shards[old_shards[id(p)][1]]
+                    if id(p) in old_shards
+                    else p
+                    for p in group["params"]
+                ]
+            optimizer.state.clear()
+            for (j, i), state in kept.items():
+                block = self._blocks[j]
+                optimizer.state[block.shards[i]] = {
+                    key: self._chunk_state(block, i, key, whole.get((j, i, key), value))
+                    for key, value in state.items()
+                }
+        self._grad_scale = 1.0 / self.collectives.world_size
+        with torch.no_grad():  # averaged after every step: equal, unless the lost step's forward moved them
+            self.collectives.broadcast_tensors(
+                list(self._managed_buffers.values()), src=src, name="recover_buffers"
+            )
+        self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
 
     def close(self) -> None:
         self._pre_step_hook.remove()

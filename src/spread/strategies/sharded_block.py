@@ -104,6 +104,25 @@ class ParameterBlock:
         p.data = self._stand_ins[i]
         self.full[i].untyped_storage().resize_(0)
 
+    def abandon_in_flight(self) -> None:
+        """Forget collectives started over a group that broke (a lost peer) and gradients of the step
+        that did not finish: the survivors repeat that step."""
+        self._gathering = None
+        self._reducing = None
+        self.ready.clear()
+        for p in self.params:
+            p.grad = None
+
+    def reshard(self, collectives: Collectives, values: list[torch.Tensor]) -> None:
+        """Cut the block again over ``collectives`` (a regrouped, smaller world) from the parameters'
+        whole one-device ``values``: new shards (new shard parameters: the caller swaps them into the
+        optimizer), the model's parameters resident with ``values`` until released. Nothing in flight."""
+        with torch.no_grad():
+            for p, value in zip(self.params, values, strict=True):
+                p.grad = None
+                p.data = value
+        self.__init__(self.params, collectives, self.shard)  # type: ignore[misc]
+
     # -- parameters --------------------------------------------------------------------------------
     def start_gather(self) -> None:
         """Collective, asynchronous: start gathering every rank's chunks (a prefetch); a no-op when

@@ -1,0 +1,144 @@
+"""ShardedStrategy's buddy copy: what lets its survivors recover without restart (``spread run --recover``).
+
+Each rank holds the only copy of its shard of the optimizer state (and, at ``shard="parameters"``, of
+the weights), so a lost rank would take its shard with it. Under ``--recover`` (and never otherwise),
+after each optimizer step every rank also keeps a copy of its ring neighbour's shard: rank ``r`` sends
+its parameter chunks and per-element optimizer state to rank ``r - 1`` and receives rank ``r + 1``'s
+(one batch of point-to-point sends, 1/N more model state per rank). After a loss the survivors
+rebuild every old rank's shard from their own and from the copies of the lost ranks' shards
+(:func:`reassemble`), and the strategy cuts it again for the smaller world. Two ring neighbours lost
+together took the only copies of one shard: refused by name (:func:`check_recoverable_loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spread.comm import Collectives
+from spread.errors import SpreadError
+from spread.strategies.sharded_block import ParameterBlock, is_per_element
+
+PARAMETER = ""  # an entry's key for the parameter's own chunk (optimizer state keys are never empty)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One chunk in a packed shard: block ``block``'s tensor ``index``, its parameter (``key`` empty)
+    or one per-element optimizer state; at ``offset`` in the flat tensor of its ``dtype``."""
+
+    block: int
+    index: int
+    key: str
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+
+def pack(
+    blocks: Sequence[ParameterBlock], optimizer: torch.optim.Optimizer | None
+) -> tuple[list[Entry], dict[torch.dtype, torch.Tensor]]:
+    """This rank's shard: its parameter chunks and per-element optimizer state, one flat tensor per
+    dtype (the same entries, in the same order, on every rank at the same step)."""
+    entries: list[Entry] = []
+    parts: dict[torch.dtype, list[torch.Tensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
+
+    def add(block: int, index: int, key: str, value: torch.Tensor) -> None:
+        flat = value.detach().reshape(-1)
+        entries.append(Entry(block, index, key, flat.dtype, sizes.get(flat.dtype, 0), flat.numel()))
+        parts.setdefault(flat.dtype, []).append(flat)
+        sizes[flat.dtype] = sizes.get(flat.dtype, 0) + flat.numel()
+
+    for j, block in enumerate(blocks):
+        for i, shard in enumerate(block.shards):
+            add(j, i, PARAMETER, shard)
+            state = optimizer.state.get(shard, {}) if optimizer is not None else {}
+            for key in sorted(state):
+                if is_per_element(key, state[key], shard.shape):
+                    add(j, i, key, state[key])
+    return entries, {dtype: torch.cat(flats) for dtype, flats in parts.items()}
+
+
+class BuddyCopy:
+    """This rank's copy of its right neighbour's shard, taken at a step boundary."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.step = -1  # optimizer steps applied when it was taken (-1: never)
+
+    def refresh(
+        self,
+        collectives: Collectives,
+        blocks: Sequence[ParameterBlock],
+        optimizer: torch.optim.Optimizer | None,
+        step: int,
+    ) -> None:
+        """Collective (point to point around the ring): send this rank's shard to its left neighbour,
+        keep the right one's. Kept only once the exchange completed (``step`` then says which)."""
+        entries, mine = pack(blocks, optimizer)
+        received = {dtype: torch.empty_like(flat) for dtype, flat in mine.items()}
+        collectives.ring_shift(list(mine.values()), list(received.values()), name="sharded.buddy_copy")
+        self.entries, self.flats, self.step = entries, received, step
+
+
+def check_recoverable_loss(old_world: int, lost: Sequence[int]) -> None:
+    """Refuse a loss that took both copies of a shard: rank ``l``'s is kept by rank ``l - 1``."""
+    gone = set(lost)
+    for rank in sorted(gone):
+        keeper = (rank - 1) % old_world
+        if keeper in gone and keeper != rank:
+            raise SpreadError(
+                f"ShardedStrategy cannot recover without restart from losing ranks {keeper} and {rank} "
+                f"of {old_world} together: rank {rank}'s shard of the model state was kept (as a buddy "
+                f"copy) only by rank {keeper}, so it exists nowhere any more. The job fails as without "
+                f"--recover (--max-restarts with BackupAndRestore restarts it from the last backup)"
+            )
+
+
+def reassemble(
+    collectives: Collectives,
+    old_rank: int,
+    old_world: int,
+    lost: Sequence[int],
+    blocks: Sequence[ParameterBlock],
+    optimizer: torch.optim.Optimizer | None,
+    buddy: BuddyCopy,
+    steps_applied: int,
+) -> dict[tuple[int, int, str], torch.Tensor]:
+    """Collective over the survivors' new group: every old rank's shard, from its owner or (a lost
+    rank's) from the buddy copy its left neighbour kept, as the whole one-device tensors
+    ``{(block, index, key): tensor}`` (``key`` empty: the parameter). Refused, naming why, when the
+    survivors' shards and the kept copy are not of the same optimizer step."""
+    holds = (old_rank + 1) % old_world in lost  # this rank kept a lost rank's shard
+    progress = torch.tensor([[steps_applied, buddy.step if holds else steps_applied]], dtype=torch.int64)
+    gathered = collectives.all_gather(progress.to(collectives.device), name="sharded.recover_versions")
+    versions = {int(v) for row in gathered for v in row.reshape(-1).tolist()}
+    if len(versions) != 1:
+        raise SpreadError(
+            "ShardedStrategy cannot recover without restart: the survivors' shards and the buddy copy "
+            f"of the lost rank(s) {sorted(lost)} are of different optimizer steps ({sorted(versions)}): the "
+            "loss came during the step boundary's buddy exchange. The job fails as without --recover "
+            "(--max-restarts with BackupAndRestore restarts it from the last backup)"
+        )
+    entries, mine = pack(blocks, optimizer)
+    if holds and entries != buddy.entries:
+        raise SpreadError("ShardedStrategy: the buddy copy's layout differs from this rank's shard")
+    tables: dict[torch.dtype, torch.Tensor] = {}
+    for dtype, flat in mine.items():
+        table = flat.new_zeros(old_world, flat.numel())
+        table[old_rank] = flat
+        if holds:
+            table[(old_rank + 1) % old_world] = buddy.flats[dtype]
+        # Each row is written by exactly one survivor (zeros elsewhere): the sum is the row, exact.
+        tables[dtype] = collectives.all_reduce(table, name="sharded.recover_shards")
+    whole: dict[tuple[int, int, str], torch.Tensor] = {}
+    for e in entries:
+        layout = blocks[e.block].layout
+        rows = tables[e.dtype][:, e.offset : e.offset + e.numel]
+        numel = layout.numel(e.index)
+        whole[(e.block, e.index, e.key)] = rows.reshape(-1)[:numel].view(layout.shapes[e.index]).clone()
+    return whole

@@ -1,0 +1,79 @@
+"""A ShardedStrategy fit for recovery without restart: ``VICTIMS`` (ranks, comma-separated, or -1) are
+SIGKILLed before
+optimizer step ``AT`` (``MODE`` kill) or mid-backward while its peers reduce gradients (``backward``);
+``SHARD`` is the stage. Every rank that finishes prints ``RESULT <json>`` with its pid, the final
+world size and the one-device weights (gathered)."""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+import spread
+from spread.train.callbacks import Callback
+
+VICTIMS = {int(r) for r in sys.argv[1].split(",")}
+AT, MODE, SHARD = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+START_RANK, PID = int(os.environ["RANK"]), os.getpid()
+
+
+class Residual(nn.Module):
+    """Not a Sequential: a skip connection around a hidden layer, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        return self.head(h + torch.tanh(self.hidden(h)))
+
+
+class Hurt(Callback):
+    def on_train_batch_begin(self, step, logs=None):
+        if START_RANK in VICTIMS and self.trainer.global_step == AT and MODE == "kill":
+            os.kill(PID, signal.SIGKILL)
+
+
+strategy = spread.ShardedStrategy(shard=SHARD)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
+with strategy.scope():
+    torch.manual_seed(0)
+    model = Residual()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+trainer = spread.Trainer(
+    model,
+    optimizer,
+    nn.CrossEntropyLoss(),
+    strategy=strategy,
+    callbacks=[Hurt()],
+    lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+    scheduler_interval="step",
+    clip_grad_norm=1.0,
+)
+if MODE == "backward" and START_RANK in VICTIMS:  # dies in backward, its peers mid-reduction
+
+    def die(grad):
+        if trainer.global_step == AT:
+            os.kill(PID, signal.SIGKILL)
+        return grad
+
+    model.hidden.weight.register_hook(die)
+history = trainer.fit((x, y), epochs=2, global_batch_size=12, verbose=0)
+weights = strategy.full_state_dict(model)
+result = {
+    "start_rank": START_RANK,
+    "pid": PID,
+    "world_size": strategy.num_replicas_in_sync,
+    "global_step": trainer.global_step,
+    "loss": history.history["loss"],
+    "weights": {k: v.tolist() for k, v in weights.items()},
+}
+print("RESULT " + json.dumps(result), flush=True)
+strategy.close()
