@@ -62,6 +62,10 @@ every process (``num_replicas_in_sync`` is the job's size).
 
 Checkpoints (:class:`~spread.strategies.sharded_state.ShardedLayout`) are per rank, through DCP,
 and never gathered; the one-device state for export is ``full_state_dict`` (collective, gathered).
+
+Under ``spread run --recover`` each rank also keeps a buddy copy of its ring neighbour's shard, so
+the survivors of a lost rank rebuild the state and go on at the smaller world size
+(:mod:`spread.strategies.sharded_buddy`).
 """
 
 from __future__ import annotations
@@ -738,7 +742,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
     def broadcast_training_state(self, src: int, optimizer: torch.optim.Optimizer | None) -> None:
         """After a regroup: every old rank's shard rebuilt from the survivors' own and the buddy copies
         of the lost ranks' (:func:`~spread.strategies.sharded_buddy.reassemble`), cut again for the
-        new world; buffers and step counts from ``src``; then a fresh buddy copy."""
+        new world (the survivors are at the same step: checked); buffers from ``src``; then a fresh
+        buddy copy for the new ring."""
         self.check_recoverable()
         assert self._buddy is not None and self._regrouped is not None, (
             "broadcast_training_state follows regroup"
@@ -772,6 +777,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             if self.shard == "parameters":
                 block.release()
         if optimizer is not None:
+            stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) in old_shards]
+            for p in stale:
+                optimizer.state.pop(p, None)
             for group in optimizer.param_groups:
                 group["params"] = [
                     self._blocks[old_shards[id(p)][0]].shards[old_shards[id(p)][1]]
@@ -779,7 +787,6 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                     else p
                     for p in group["params"]
                 ]
-            optimizer.state.clear()
             for (j, i), state in kept.items():
                 block = self._blocks[j]
                 optimizer.state[block.shards[i]] = {
