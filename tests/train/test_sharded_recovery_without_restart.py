@@ -2,8 +2,9 @@
 of its ring neighbour's shard at every step boundary, so when one rank of 3 is SIGKILLed (before a
 step, or mid-backward while its peers reduce gradients) the two survivors rebuild the whole model
 and Adam state from their shards and the lost rank's copy, cut it again for 2 ranks, repeat the step
-in flight with the same global batch, and end with the weights of the uninterrupted 3-rank run. Two
-ring neighbours lost together took the only copies of a shard: the job fails naming both."""
+in flight with the same global batch, and end with the weights of the uninterrupted 3-rank run (and
+after a second loss, on one rank). Two ring neighbours lost together took the only copies of a
+shard: the job fails naming both."""
 
 from __future__ import annotations
 
@@ -59,6 +60,23 @@ def test_sharded_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(
             torch.testing.assert_close(
                 torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
             )
+
+
+@pytest.mark.processes
+def test_two_losses_in_one_job_3_then_2_then_1_rank():
+    """After the first regroup the buddy copies are of the new ring: a second loss recovers too."""
+    expected = _uninterrupted("parameters")
+    run = spread_run(SCRIPT, 3, "2,1", "4,9", "kill", "parameters", flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert "regrouped at world size 2 without restart" in run.log
+    assert "regrouped at world size 1 without restart" in run.log
+    (result,) = _results(run.log)
+    assert (result["start_rank"], result["world_size"]) == (0, 1)
+    assert result["global_step"] == expected["global_step"]
+    for key, value in expected["weights"].items():
+        torch.testing.assert_close(
+            torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
+        )
 
 
 @pytest.mark.processes

@@ -1,8 +1,7 @@
-"""A ShardedStrategy fit for recovery without restart: ``VICTIMS`` (ranks, comma-separated, or -1) are
-SIGKILLed before
-optimizer step ``AT`` (``MODE`` kill) or mid-backward while its peers reduce gradients (``backward``);
-``SHARD`` is the stage. Every rank that finishes prints ``RESULT <json>`` with its pid, the final
-world size and the one-device weights (gathered)."""
+"""A ShardedStrategy fit for recovery without restart: ``VICTIMS`` (starting ranks, comma-separated,
+or -1) are SIGKILLed, each before its optimizer step of ``STEPS`` (``MODE`` kill) or in its backward
+while its peers reduce gradients (``backward``); ``SHARD`` is the stage. Every rank that finishes
+prints ``RESULT <json>`` with its pid, the final world size and the one-device weights (gathered)."""
 
 import json
 import os
@@ -15,9 +14,12 @@ from torch import nn
 import spread
 from spread.train.callbacks import Callback
 
-VICTIMS = {int(r) for r in sys.argv[1].split(",")}
-AT, MODE, SHARD = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+# Each victim's step: one for all, or one per victim (``2,1`` at ``4,9``: two losses in one job).
+VICTIMS = [int(r) for r in sys.argv[1].split(",")]
+STEPS = [int(s) for s in sys.argv[2].split(",")]
+MODE, SHARD = sys.argv[3], sys.argv[4]
 START_RANK, PID = int(os.environ["RANK"]), os.getpid()
+AT = dict(zip(VICTIMS, STEPS * len(VICTIMS) if len(STEPS) == 1 else STEPS, strict=True)).get(START_RANK, -1)
 
 
 class Residual(nn.Module):
@@ -36,7 +38,7 @@ class Residual(nn.Module):
 
 class Hurt(Callback):
     def on_train_batch_begin(self, step, logs=None):
-        if START_RANK in VICTIMS and self.trainer.global_step == AT and MODE == "kill":
+        if self.trainer.global_step == AT and MODE == "kill":
             os.kill(PID, signal.SIGKILL)
 
 
@@ -57,7 +59,7 @@ trainer = spread.Trainer(
     scheduler_interval="step",
     clip_grad_norm=1.0,
 )
-if MODE == "backward" and START_RANK in VICTIMS:  # dies in backward, its peers mid-reduction
+if MODE == "backward" and AT >= 0:  # dies in backward, its peers mid-reduction
 
     def die(grad):
         if trainer.global_step == AT:
