@@ -35,6 +35,7 @@ def _uninterrupted(shard: str) -> dict:
         assert run.returncode == 0, run.log
         results = _results(run.log)
         assert len(results) == 3 and {r["world_size"] for r in results} == {3}
+        assert not any(r["buddy_copy"] for r in results)  # never without --recover: no cost there
         _UNINTERRUPTED[shard] = results[0]
     return _UNINTERRUPTED[shard]
 
@@ -54,7 +55,7 @@ def test_sharded_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(
     results = _results(run.log)
     assert sorted(r["start_rank"] for r in results) == sorted({0, 1, 2} - {victim}), run.log
     for result in results:
-        assert result["world_size"] == 2
+        assert result["world_size"] == 2 and result["buddy_copy"]
         assert result["global_step"] == expected["global_step"]
         for key, value in expected["weights"].items():
             torch.testing.assert_close(

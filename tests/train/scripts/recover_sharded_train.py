@@ -73,6 +73,7 @@ result = {
     "start_rank": START_RANK,
     "pid": PID,
     "world_size": strategy.num_replicas_in_sync,
+    "buddy_copy": strategy._buddy is not None,  # kept under spread run --recover only
     "global_step": trainer.global_step,
     "loss": history.history["loss"],
     "weights": {k: v.tolist() for k, v in weights.items()},
