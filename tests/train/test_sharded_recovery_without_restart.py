@@ -88,6 +88,17 @@ def test_two_ring_neighbours_lost_together_fail_the_job_naming_both():
     assert "RESULT " not in run.log
 
 
+@pytest.mark.processes
+def test_a_loss_between_the_survivors_step_and_the_buddy_exchange_fails_the_job_naming_why():
+    """Rank 2 dies just before its optimizer step: the others step, then wait in vain for its shard,
+    so the only copy of its shard is of the step before theirs (the window a copy taken after the
+    step leaves)."""
+    run = spread_run(SCRIPT, 3, "2", "5", "in_exchange", "parameters", flags=("--recover",))
+    assert run.returncode != 0
+    assert "are of different optimizer steps ([5, 6]): the loss came during the step boundary" in run.log
+    assert "RESULT " not in run.log
+
+
 def test_a_loss_is_recoverable_unless_a_shard_and_its_buddy_copy_went_together():
     check_recoverable_loss(3, [2])
     check_recoverable_loss(4, [0, 2])  # not neighbours: rank 3 keeps 0's copy, rank 1 keeps 2's

@@ -1,7 +1,9 @@
 """A ShardedStrategy fit for recovery without restart: ``VICTIMS`` (starting ranks, comma-separated,
-or -1) are SIGKILLed, each before its optimizer step of ``STEPS`` (``MODE`` kill) or in its backward
-while its peers reduce gradients (``backward``); ``SHARD`` is the stage. Every rank that finishes
-prints ``RESULT <json>`` with its pid, the final world size and the one-device weights (gathered)."""
+or -1) are SIGKILLed, each before its optimizer step of ``STEPS`` (``MODE`` kill), in its backward
+while its peers reduce gradients (``backward``), or just before its optimizer step while its peers
+step and wait for its shard in the buddy exchange (``in_exchange``); ``SHARD`` is the stage. Every
+rank that finishes prints ``RESULT <json>`` with its pid, the final world size and the one-device
+weights (gathered)."""
 
 import json
 import os
@@ -67,6 +69,14 @@ if MODE == "backward" and AT >= 0:  # dies in backward, its peers mid-reduction
         return grad
 
     model.hidden.weight.register_hook(die)
+if MODE == "in_exchange" and AT >= 0:  # dies after the others' last collective before the step: they
+    # step, then wait in vain for its shard in the buddy exchange
+
+    def die_before_step(opt, args, kwargs):
+        if trainer.global_step == AT:
+            os.kill(PID, signal.SIGKILL)
+
+    optimizer.register_step_pre_hook(die_before_step)
 history = trainer.fit((x, y), epochs=2, global_batch_size=12, verbose=0)
 weights = strategy.full_state_dict(model)
 result = {
