@@ -131,6 +131,21 @@ def test_groups_that_do_not_split_the_job_are_refused_before_joining_it(value, l
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"shard_group_size": 2}, {"shard_group_size": "node"}, {"offload": "optimizer"}],
+)
+def test_recovery_without_restart_with_hybrid_groups_or_offload_is_refused_before_joining(
+    options, monkeypatch
+):
+    """The buddy copy behind --recover covers the plain ring of shards only: refused by name, not a
+    recovery that would rebuild the wrong shards."""
+    monkeypatch.setenv("SPREAD_RECOVER", "1")
+    with pytest.raises(ValueError, match=r"--recover .* is not available for ShardedStrategy with offload="):
+        spread.ShardedStrategy(cluster=_cluster(4, 2), **options)
+    assert not torch.distributed.is_initialized()
+
+
 # -- equal to one device -----------------------------------------------------------------------------
 def _hybrid_job() -> dict:
     rank = int(os.environ["RANK"])
