@@ -731,6 +731,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         self._reducing.clear()
         self._queued, self._next_reduce = False, 0
         super().regroup()
+        # One group, the survivors (--recover refuses hybrid groups): what the blocks, the clipping norm
+        # and the state's chunks use from now on, never the broken group's.
+        self._groups = ShardGroups(self.collectives)
         assert self._regrouped is not None
         _, old_world, lost = self._regrouped
         self._regrouped = (old_rank, old_world, lost)
