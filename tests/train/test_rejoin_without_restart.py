@@ -94,7 +94,7 @@ class Machines:
         for node in self.nodes:
             if node.poll() is None:
                 node.kill()
-                node.communicate()
+                node.communicate(timeout=30)
         return reap_survivors(self.pids, timeout=15)
 
 
