@@ -217,9 +217,16 @@ def test_end_to_end_exit_code_arguments_and_secret_token(tmp_path: Path) -> None
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
-        import os, sys
-        print("args", sys.argv[1:], "token", len(os.environ["SPREAD_JOB_TOKEN"]))
-        sys.exit(3 if os.environ["RANK"] == "1" else 0)
+        import os, sys, time
+        print("args", sys.argv[1:], "token", len(os.environ["SPREAD_JOB_TOKEN"]), flush=True)
+        printed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank-0-printed")
+        if os.environ["RANK"] == "0":
+            open(printed, "w").close()
+            sys.exit(0)
+        deadline = time.monotonic() + 60  # rank 1 fails after rank 0 printed: its failure stops rank 0
+        while not os.path.exists(printed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(3)
     """)
     )
     result = _spread(["run", "-n", "2", str(script), "--lr", "0.1", "-n", "5"])
