@@ -160,9 +160,7 @@ def write_manifest(directory: Path, metadata: dict) -> None:
     }
     for name in files:
         fsync_path(directory / name)
-    content = {**metadata, "files": files}
-    _check_structure(content, directory / MANIFEST)  # never write what verify would refuse
-    data = json.dumps(content, indent=1, sort_keys=True).encode()
+    data = manifest_bytes(metadata, files, directory / MANIFEST)
     manifest = directory / MANIFEST
     manifest.write_bytes(data)
     fsync_path(manifest)
@@ -170,6 +168,41 @@ def write_manifest(directory: Path, metadata: dict) -> None:
     checksum.write_bytes(_checksum_line(data))
     fsync_path(checksum)
     fsync_path(directory)
+
+
+def manifest_bytes(metadata: dict, files: dict[str, dict[str, Any]], shown: str | os.PathLike[str]) -> bytes:
+    """The bytes of a manifest listing ``files`` (name -> size and SHA-256) with ``metadata``; never
+    one :func:`parse_manifest` would refuse. Written by local and object-storage checkpoints alike."""
+    content = {**metadata, "files": files}
+    _check_structure(content, Path(shown))
+    return json.dumps(content, indent=1, sort_keys=True).encode()
+
+
+def checksum_line(manifest: bytes) -> bytes:
+    """What ``manifest.sha256`` holds for a manifest of these bytes."""
+    return _checksum_line(manifest)
+
+
+def parse_manifest(data: bytes, recorded_checksum: bytes | None, shown: str | os.PathLike[str]) -> dict:
+    """The manifest in ``data`` if it matches ``recorded_checksum`` (None: a checkpoint from before the
+    sidecar existed, vouched for by its structure alone), is JSON without repeated keys and has the
+    structure :func:`manifest_bytes` writes; else ValueError naming ``shown``."""
+    if recorded_checksum is not None and recorded_checksum != _checksum_line(data):
+        raise ValueError(f"{shown} does not match its checksum in {MANIFEST_CHECKSUM}")
+    try:
+        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{shown} is not valid JSON ({exc})") from None
+    _check_structure(manifest, Path(shown))
+    return manifest
+
+
+def check_listed_file(shown: str | os.PathLike[str], size: int, sha256: str, entry: dict[str, Any]) -> None:
+    """ValueError naming ``shown`` unless a file's ``size`` and ``sha256`` are its manifest entry's."""
+    if size != entry["size"]:
+        raise ValueError(f"{shown} has {size} bytes, the manifest says {entry['size']}")
+    if sha256 != entry["sha256"]:
+        raise ValueError(f"{shown} does not match its checksum")
 
 
 def verify(directory: Path) -> dict:
@@ -185,12 +218,12 @@ def verify(directory: Path) -> dict:
         data = manifest_path.read_bytes()
     except FileNotFoundError:
         raise ValueError(f"{manifest_path} is missing") from None
-    _check_manifest_checksum(directory, data)
     try:
-        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{manifest_path} is not valid JSON ({exc})") from None
-    files = _check_structure(manifest, manifest_path)
+        recorded: bytes | None = (directory / MANIFEST_CHECKSUM).read_bytes()
+    except FileNotFoundError:
+        recorded = None
+    manifest = parse_manifest(data, recorded, manifest_path)
+    files = manifest["files"]
     present = {
         p.name for p in directory.iterdir() if p.is_file() and p.name not in (MANIFEST, MANIFEST_CHECKSUM)
     }
@@ -205,23 +238,10 @@ def verify(directory: Path) -> dict:
     for name, entry in files.items():
         path = directory / name
         size = path.stat().st_size
-        if size != entry["size"]:
-            raise ValueError(f"{path} has {size} bytes, the manifest says {entry['size']}")
-        if sha256_file(path) != entry["sha256"]:
-            raise ValueError(f"{path} does not match its checksum")
+        if size != entry["size"]:  # before hashing: a wrong size needs no read
+            check_listed_file(path, size, "", entry)
+        check_listed_file(path, size, sha256_file(path), entry)
     return manifest
-
-
-def _check_manifest_checksum(directory: Path, data: bytes) -> None:
-    """Compare the manifest's bytes with ``manifest.sha256``; without one (a checkpoint from before
-    it existed) only the structure vouches for the manifest."""
-    checksum_path = directory / MANIFEST_CHECKSUM
-    try:
-        recorded = checksum_path.read_bytes()
-    except FileNotFoundError:
-        return
-    if recorded != _checksum_line(data):  # exactly what write_manifest writes: any change is damage
-        raise ValueError(f"{directory / MANIFEST} does not match its checksum in {MANIFEST_CHECKSUM}")
 
 
 def _checksum_line(manifest: bytes) -> bytes:

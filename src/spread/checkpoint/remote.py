@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import re
 import secrets
 import warnings
@@ -42,10 +41,11 @@ import torch
 from spread.checkpoint.atomic import (
     MANIFEST,
     MANIFEST_CHECKSUM,
-    _check_structure,
-    _checksum_line,
-    _no_duplicate_keys,
+    check_listed_file,
+    checksum_line,
     crash_point,
+    manifest_bytes,
+    parse_manifest,
 )
 from spread.checkpoint.compat import raise_if, tensor_mismatches
 from spread.errors import CheckpointCorruptError, CheckpointMismatchError
@@ -137,14 +137,10 @@ class RemoteCheckpointManager:
         prefix = f"{self.root}/{name}"
         self.fs.pipe_file(f"{prefix}/{STATE_FILE}", data)
         crash_point("after_shard_write")
-        manifest = {
-            "step": step,
-            "files": {STATE_FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-        }
-        _check_structure(manifest, f"{prefix}/{MANIFEST}")
-        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        self.fs.pipe_file(f"{prefix}/{MANIFEST}", manifest_bytes)
-        self.fs.pipe_file(f"{prefix}/{MANIFEST_CHECKSUM}", _checksum_line(manifest_bytes))
+        files = {STATE_FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+        manifest = manifest_bytes({"step": step}, files, f"{prefix}/{MANIFEST}")
+        self.fs.pipe_file(f"{prefix}/{MANIFEST}", manifest)
+        self.fs.pipe_file(f"{prefix}/{MANIFEST_CHECKSUM}", checksum_line(manifest))
         crash_point("after_manifest")
         crash_point("after_rename")  # no rename in object storage: the same moment
         self.fs.pipe_file(f"{self.root}/{POINTER}", name.encode())  # the commit point
@@ -243,14 +239,11 @@ class RemoteCheckpointManager:
     ) -> tuple[int, dict]:
         prefix = f"{self.root}/{name}"
         shown = f"{self.url}/{name}"
-        manifest_bytes = self.fs.cat_file(f"{prefix}/{MANIFEST}")
-        if self.fs.cat_file(f"{prefix}/{MANIFEST_CHECKSUM}") != _checksum_line(manifest_bytes):
-            raise ValueError(f"{shown}/{MANIFEST} does not match its checksum in {MANIFEST_CHECKSUM}")
-        try:
-            manifest = json.loads(manifest_bytes.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{shown}/{MANIFEST} is not valid JSON ({exc})") from None
-        files = _check_structure(manifest, f"{shown}/{MANIFEST}")
+        data = self.fs.cat_file(f"{prefix}/{MANIFEST}")
+        # the checksum is required here: object-storage checkpoints always had one
+        recorded = self.fs.cat_file(f"{prefix}/{MANIFEST_CHECKSUM}")
+        manifest = parse_manifest(data, recorded, f"{shown}/{MANIFEST}")
+        files = manifest["files"]
         if f"ckpt-{int(manifest['step']):010d}" != name.split(".")[0]:
             raise ValueError(f"{shown}/{MANIFEST} says step {manifest['step']}, the prefix's name another")
         present = {e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(prefix, detail=False)} - {
@@ -266,12 +259,9 @@ class RemoteCheckpointManager:
         for file, entry in files.items():
             if file not in present:
                 raise ValueError(f"{shown}/{file} is missing")
-            data = self.fs.cat_file(f"{prefix}/{file}")
-            if len(data) != entry["size"]:
-                raise ValueError(f"{shown}/{file} has {len(data)} bytes, the manifest says {entry['size']}")
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise ValueError(f"{shown}/{file} does not match its checksum")
-            blobs[file] = data
+            blob = self.fs.cat_file(f"{prefix}/{file}")
+            check_listed_file(f"{shown}/{file}", len(blob), hashlib.sha256(blob).hexdigest(), entry)
+            blobs[file] = blob
         state = torch.load(io.BytesIO(blobs[STATE_FILE]), map_location=map_location, weights_only=True)
         if like is not None:
             raise_if(tensor_mismatches({k: state.get(k) for k in like}, like), shown, "given state")
