@@ -7,6 +7,7 @@ count as dead: PID 1 in some containers never reaps orphans, which no launcher c
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -737,6 +739,46 @@ def test_torch_rank_tags_are_not_doubled(tmp_path: Path, capfd: pytest.CaptureFi
     err = capfd.readouterr().err
     assert "[rank 1] RuntimeError: after the group exists" in err
     assert "[rank1]:" not in err
+
+
+def test_a_traceback_written_between_the_relays_two_reads_comes_after_the_printed_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``print`` writes a line and its newline in two writes. A rank that failed right after the relay
+    had read the line without its newline had its traceback relayed first (CI saw it once, at 8 ranks).
+    Here the "rank" writes the newline and its traceback just after the relay's first read of stdout."""
+    from spread.cluster._output import OutputRelay
+
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    os.write(out_write, b"rank 1 did 3 steps")  # print's first write
+    real_read = os.read
+    failed = threading.Event()
+
+    def read(fd: int, size: int) -> bytes:
+        data = real_read(fd, size)
+        if fd == out_read and not failed.is_set():  # the rank goes on between the relay's reads
+            failed.set()
+            os.write(out_write, b"\n")  # print's second write
+            os.write(err_write, b"Traceback (most recent call last):\nRuntimeError: rank 1 failed\n")
+            os.close(out_write)
+            os.close(err_write)
+        return data
+
+    terminal = io.StringIO()  # stdout and stderr on one stream, as on a terminal
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(os, "read", read)
+    thread = OutputRelay(prefix=True, live=False).start(
+        1, os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb")
+    )
+    thread.join(5)
+    assert failed.is_set() and not thread.is_alive()
+    assert terminal.getvalue() == (
+        "[rank 1] rank 1 did 3 steps\n"
+        "[rank 1] Traceback (most recent call last):\n"
+        "[rank 1] RuntimeError: rank 1 failed\n"
+    )
 
 
 def test_live_bar_frames_redraw_one_line_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,9 +4,13 @@ One thread per rank reads both of its pipes, so what a rank printed comes out in
 it: with a thread per pipe, a rank's traceback on stderr could be relayed before the line it had
 printed (and flushed) on stdout just before failing. The ranks run with ``PYTHONUNBUFFERED=1``, so a
 line reaches its pipe when it is written. When both pipes hold data at one wake-up, which was written
-first is unknown: stdout is read first, ready or not, because a line printed before a failure is the
-order that matters (``python`` on a terminal and torchrun, whose ranks share the terminal, keep it).
-Output a rank writes to both streams within one wake-up of the relay may still come stream by stream.
+first is unknown; a line printed before a failure is the order that matters (``python`` on a terminal
+and torchrun, whose ranks share the terminal, keep it). So at each wake-up stderr is read first and
+relayed last, after everything stdout holds by then: whatever the rank wrote to stdout before the
+stderr bytes just read is in its pipe already. (Reading stdout first was not enough: ``print`` writes
+the line and its newline in two writes, and a rank failing between the relay's stdout read and its
+stderr read had its traceback relayed while the line still waited for its newline.) Output a rank
+writes to both streams within one wake-up of the relay may still come stream by stream.
 
 Why line-buffered: two ranks writing at once must not interleave inside a line, so a pipe's partial
 line is held until its newline arrives (or the pipe closes, when the partial line is flushed with a
@@ -105,8 +109,15 @@ class OutputRelay:
                 selector.register(pipe.fd, selectors.EVENT_READ)
             while pipes:
                 selector.select()
-                for name in ("stdout", "stderr"):  # stdout first, ready or not: see the module's doc
-                    if name in pipes and not pipes[name].read():
+                # stderr read first and relayed last, stdout read ready or not: see the module's doc
+                errors = pipes["stderr"].take() if "stderr" in pipes else None
+                output = pipes["stdout"].take() if "stdout" in pipes else None
+                for name, chunk in (("stdout", output), ("stderr", errors)):
+                    if chunk is None:  # nothing written yet (or the pipe is gone)
+                        continue
+                    if chunk:
+                        pipes[name].forward(chunk)
+                    else:  # end of file
                         selector.unregister(pipes[name].fd)
                         pipes.pop(name).close()
         finally:
@@ -133,18 +144,18 @@ class _Pipe:
             text = _TORCH_TAG.sub(lambda m: "" if int(m.group(1)) == rank else m.group(0), text)
         return "".join(f"{self.tag}{_last_frame(line) if self.live else line}\n" for line in text.split("\n"))
 
-    def read(self) -> bool:
-        """Relay what the pipe holds now; False at EOF."""
+    def take(self) -> bytes | None:
+        """What the pipe holds now, without relaying it: ``b""`` at end of file, None when empty."""
         try:
-            chunk = os.read(self.fd, _CHUNK)
+            return os.read(self.fd, _CHUNK)
         except BlockingIOError:  # nothing written yet
-            return True
+            return None
         except OSError:
-            chunk = b""
-        if not chunk:
-            return False
+            return b""
+
+    def forward(self, chunk: bytes) -> None:
+        """Relay bytes read from this pipe (complete lines now, a partial line when it completes)."""
         self._relay(self.decoder.decode(chunk))
-        return True
 
     def _relay(self, text: str) -> None:
         relay, stream, tag = self.relay, self.stream, self.tag
