@@ -98,11 +98,13 @@ def _launcher_of(proc: subprocess.Popen, report: Path, timeout: float = 60) -> N
 
 
 def _dump_until_a_rank_waits(job: subprocess.Popen, env: dict, seconds: float) -> list[str]:
-    """``spread run --dump`` every 2 s until the report names a rank the others wait for."""
+    """``spread run --dump`` every 2 s until the report names a rank the others wait for; the last
+    report when ``seconds`` pass first (the caller's assertion then shows it)."""
     report: list[str] = []
     deadline = time.monotonic() + seconds
     while "never entered" not in "".join(report):
-        assert time.monotonic() < deadline, report
+        if time.monotonic() >= deadline:
+            return report
         time.sleep(2)
         asked = subprocess.run(
             [sys.executable, "-m", "spread.cli.main", "run", "--dump", str(job.pid)],
@@ -127,6 +129,7 @@ def test_spread_run_dump_names_the_rank_the_job_waits_for(tmp_path: Path, privat
     try:
         _launcher_of(job, private_reports / f"where-{job.pid}.txt")
         report = _dump_until_a_rank_waits(job, env, seconds=60)
+        assert "never entered" in "".join(report), report
         assert report[0].startswith("where each rank is at ") and report[0].endswith("(asked by SIGUSR1):")
         assert report[1].startswith("rank 0 (pid ") and "waiting in gradient_exchange #" in report[1]
         assert "in backward of step 3" in report[1]
@@ -198,12 +201,15 @@ def test_dump_after_a_recovery_reports_the_regrouped_ranks(tmp_path: Path, priva
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), SPREAD_HANG_REPORT_AFTER="300")
     command = [sys.executable, "-m", "spread.cli.main", "run", "--recover", "-n", "3", str(script)]
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    report: list[str] = []
     try:
         _launcher_of(job, private_reports / f"where-{job.pid}.txt")
         report = _dump_until_a_rank_waits(job, env, seconds=90)
-        assert report[1] == "(the job regrouped after losing ranks: 2 of 3 go on, numbered anew)", report
-        assert len([line for line in report if line.startswith("rank ")]) == 2, report
-        assert "rank 1 never entered gradient_exchange #" in report[-1], report
-    finally:
+    finally:  # a failure below shows the job's own output: which rank left when, and why
         job.send_signal(signal.SIGTERM)
-        job.communicate(timeout=30)
+        out, err = job.communicate(timeout=30)
+    said = f"{report}\njob stdout:\n{out}\njob stderr:\n{err}"
+    assert "never entered" in "".join(report), said
+    assert report[1] == "(the job regrouped after losing ranks: 2 of 3 go on, numbered anew)", said
+    assert len([line for line in report if line.startswith("rank ")]) == 2, said
+    assert "rank 1 never entered gradient_exchange #" in report[-1], said
