@@ -127,7 +127,12 @@ class RemoteCallError(SpreadError):
 
 
 class ParameterServerError(RemoteCallError):
-    """A parameter server could not be reached or refused a call (it died, is overloaded, or differs)."""
+    """A parameter server could not be reached or refused a call (it died, is overloaded, or differs).
+
+    ``server``: the failing server's task index, where the client knows it (every call it makes to
+    the servers of a job); the in-place restore waits for that server."""
+
+    server: int | None = None
 
 
 class PipelineStageError(SpreadError):

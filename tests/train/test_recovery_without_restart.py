@@ -52,7 +52,7 @@ def test_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(uninterr
             )
 
 
-@pytest.mark.parametrize("name", ["PipelineStrategy", "ParameterServerStrategy"])
+@pytest.mark.parametrize("name", ["PipelineStrategy"])
 def test_strategies_that_cannot_regroup_are_refused_by_name(name):
     import spread
     from spread.errors import SpreadError
@@ -92,10 +92,17 @@ def test_fit_under_spread_run_recover_refuses_a_strategy_that_cannot_regroup(mon
     assert trainer.global_step == 0
 
 
-def test_recover_is_refused_for_a_parameter_server_job():
+def test_parameter_server_tasks_never_regroup_but_a_job_may_recover_its_servers():
+    """Under --recover a parameter-server job restores a lost server in place (tests/ps/test_in_place*);
+    its training tasks share no collective and never regroup: asked to, they say so by name."""
+    import spread
     from spread.cluster.launcher import LaunchConfig
+    from spread.errors import SpreadError
 
-    with pytest.raises(ValueError, match=r"recover.*not supported for a parameter-server job"):
-        LaunchConfig(entrypoint="train.py", workers=1, ps=1, recover=True)
+    cls = spread.ParameterServerStrategy
+    cls.check_recoverable(object.__new__(cls))  # nothing refused: fit runs under --recover
+    with pytest.raises(SpreadError, match="ParameterServerStrategy training tasks do not regroup"):
+        cls.regroup(object.__new__(cls))
+    assert LaunchConfig(entrypoint="train.py", workers=1, ps=1, recover=True).recover
     with pytest.raises(ValueError, match=r"recover.*must be True or False"):
         LaunchConfig(entrypoint="train.py", recover="yes")  # type: ignore[arg-type]

@@ -23,6 +23,10 @@ attempt. On top of it:
   so even a SIGKILLed launcher leaves no rank behind.
 * **A parameter-server job ends with its training.** Once the chief and every worker have exited 0,
   servers (and the evaluator) still running after ``kill_grace`` seconds are stopped: the job succeeds.
+* **A lost parameter server is started again in place** (``recover`` with ``ps``): a server task
+  that exits non-zero (or stays stopped, then killed) is started again at its address, the others
+  running on; its chief restores it from the backup (:mod:`spread.ps.in_place`). At most
+  ``_SERVER_REPLACEMENTS`` times per server; a lost chief, worker or evaluator fails the job.
 * **Bounded restarts.** ``max_restarts`` relaunches the whole group with ``TORCHELASTIC_RESTART_COUNT``
   incremented; the store lives on, and each attempt's keys live under their own prefix. Stop signals
   never restart.
@@ -80,6 +84,7 @@ _WAITING_EVERY = 5.0  # seconds between asking the rendezvous whether machines w
 # and the note said it all a second time).
 _SUMMARY_CHARACTERS = 160
 _SERVICE_ROLES = ("ps", "evaluator")  # tasks of a parameter-server job that serve the training tasks
+_SERVER_REPLACEMENTS = 5  # --recover: times one parameter server is started again before the job fails
 # Variables an outer launcher may have set that would misdirect our ranks if inherited.
 _INHERITED_NOISE = ("TORCHELASTIC_ERROR_FILE", "TF_CONFIG")
 # Exceptions that report another rank's failure: never named as the cause when a rank raised another.
@@ -116,7 +121,10 @@ class LaunchConfig:
         max_restarts: how many times the whole group is relaunched after a failure.
         recover: recovery without restart: a rank that exits non-zero (or stays stopped, then killed)
             is lost, not a failure of the job: the others keep running (told by ``SPREAD_RECOVER=1``,
-            they regroup without it) and the job succeeds when every rank left exits 0.
+            they regroup without it) and the job succeeds when every rank left exits 0. In a
+            parameter-server job: a lost server is started again at its address (``SPREAD_PS_REPLACEMENT``
+            says which time) and restored from the chief's backup while the others wait; a lost
+            training task or evaluator fails the job as without it.
         kill_grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         prefix_output: tag every relayed line with ``[rank R] ``.
         workers: with ``ps``: worker tasks beside the chief (a parameter-server job).
@@ -170,13 +178,6 @@ class LaunchConfig:
                 raise _invalid(name, "must be an integer >= 0", getattr(self, name))
         if not isinstance(self.recover, bool):
             raise _invalid("recover", "must be True or False", self.recover)
-        if self.recover and self.ps:
-            raise _invalid(
-                "recover",
-                "is not supported for a parameter-server job (its workers and servers do not step together; "
-                "recovery without restart regroups MultiWorkerMirroredStrategy ranks)",
-                self.recover,
-            )
         if (self.workers or self.evaluator) and not self.ps:
             raise _invalid("ps", "must be >= 1 with workers or evaluator (a parameter-server job)", self.ps)
         if self.ps:
@@ -480,6 +481,9 @@ class _Attempt:
         self.store_address: tuple[str, int] | None = None  # once the ranks are told where it is
         self.reporting: threading.Thread | None = None  # a report of where each rank is, under way
         self.admitting: threading.Thread | None = None  # --recover: a round that lets machines join
+        self.addresses: tuple[str, int] | None = None  # MASTER_ADDR and MASTER_PORT given to the ranks
+        self.replacements: dict[int, int] = {}  # --recover, --ps: local rank -> times started again
+        self.retired: list[int] = []  # process groups of lost servers (their helpers die with them)
 
     def rank(self, local_rank: int) -> int:
         return self.rank_offset + local_rank
@@ -574,6 +578,7 @@ class _Attempt:
             self.tf_config = _ps_cluster(c, addr)
         else:
             self.store_address = (addr, port)
+        self.addresses = (addr, port)
         try:
             hook = die_with_parent_hook()
             for local_rank in range(c.nproc):
@@ -731,14 +736,20 @@ class _Attempt:
                 return None
             for local_rank in sorted(self.returncodes.keys() - seen):
                 if self.returncodes[local_rank] != 0:
-                    if not self.config.recover:
+                    if self._lost_server(local_rank):
+                        if not self._replace_server(local_rank):
+                            return _Failure(self.rank(local_rank), self.returncodes[local_rank])
+                        continue
+                    if not self.config.recover or self.config.ps:
                         return _Failure(self.rank(local_rank), self.returncodes[local_rank])
                     self._lose(local_rank)
             if (stopped := self._stopped_rank()) is not None:
-                if not self.config.recover:
+                if not self.config.recover or (
+                    self.config.ps and not self._lost_server(stopped.rank - self.rank_offset)
+                ):
                     return stopped
                 self._kill_stopped(stopped)
-            if self.config.recover and len(self.returncodes) == len(self.procs):
+            if self.config.recover and not self.config.ps and len(self.returncodes) == len(self.procs):
                 break
             if self._nodes_waiting():
                 if not self.config.recover:
@@ -750,6 +761,48 @@ class _Attempt:
             first = min(self.lost)  # every rank here was lost: nothing of the job survived on this node
             return _Failure(self.rank(first), self.lost[first])
         return None
+
+    def _lost_server(self, local_rank: int) -> bool:
+        """Whether ``local_rank`` is a parameter server that ``--recover`` starts again when lost."""
+        return self.config.recover and bool(self.config.ps) and self.config.ps_tasks()[local_rank][0] == "ps"
+
+    def _replace_server(self, local_rank: int) -> bool:
+        """``--recover``: start lost parameter server ``local_rank`` again at its address, the other
+        tasks running on (its chief restores it; the training tasks wait for it). False when it was
+        replaced ``_SERVER_REPLACEMENTS`` times already, or a stop signal came: the job fails."""
+        assert self.addresses is not None and self.tf_config is not None
+        code, index = self.returncodes[local_rank], self.config.ps_tasks()[local_rank][1]
+        times = self.replacements.get(local_rank, 0)
+        lost = f"{_describe(self.rank(local_rank), code)}: parameter server {index} was lost"
+        if times >= _SERVER_REPLACEMENTS or self.trap.signum is not None:
+            self.relay.note(f"{lost}; it was started again {times} time(s) already: giving up")
+            return False
+        old = self.procs[local_rank]
+        signal_group(old.pid, signal.SIGKILL)  # anything it started goes with it
+        self.retired.append(old.pid)
+        env = self._env(local_rank, *self.addresses)
+        env[spread_env.PS_REPLACEMENT] = str(times + 1)
+        proc = subprocess.Popen(  # threads run here: the preexec hook only calls prctl and getppid
+            self.config.command(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent_hook(),
+        )
+        self.replacements[local_rank] = times + 1
+        self.procs[local_rank] = proc
+        del self.returncodes[local_rank]
+        self.stopped_since.pop(local_rank, None)
+        self.threads.append(self.relay.start(f"ps {index}", proc.stdout, proc.stderr))  # type: ignore[arg-type]
+        threading.Thread(target=self._watch, args=(local_rank, proc), daemon=True).start()
+        address = self.tf_config["ps"][index]
+        self.relay.note(
+            f"{lost}; --recover: started it again at {address} (time {times + 1}); the chief restores it "
+            "from its last backup while the training tasks wait"
+        )
+        return True
 
     def _admit(self) -> None:
         """``--recover``: machines wait to join. Join their round with this node's ranks training on
@@ -791,7 +844,8 @@ class _Attempt:
         """``--recover``: a rank left stopped holds its peers up until their collective timeout; kill
         it, so that they regroup without it at once (its exit is then a loss like any other)."""
         local_rank = stopped.rank - self.rank_offset
-        self.relay.note(f"{stopped.describe()}; --recover: killing it so the others regroup without it")
+        then = "it is started again" if self._lost_server(local_rank) else "the others regroup without it"
+        self.relay.note(f"{stopped.describe()}; --recover: killing it so {then}")
         self.stopped_since.pop(local_rank, None)
         signal_group(self.procs[local_rank].pid, signal.SIGKILL)
         signal_group(self.procs[local_rank].pid, signal.SIGCONT)
@@ -805,12 +859,12 @@ class _Attempt:
         already exited are signalled too: their grandchildren live there. A stop signal during the
         grace skips the rest of it.
         """
-        pgids = [p.pid for p in self.procs]
+        pgids = [p.pid for p in self.procs] + self.retired
         grace = self.config.kill_grace
         if wait_first:
             if self._wait_for_groups(pgids, grace):
                 return self._reap()
-            left = [self.config.ps_tasks()[r][0] for r in range(len(pgids)) if r not in self.returncodes]
+            left = [self.config.ps_tasks()[r][0] for r in range(len(self.procs)) if r not in self.returncodes]
             self.relay.note(
                 f"every training task finished; stopping {len(left)} task(s) still running "
                 f"({', '.join(left)}) after {grace:g}s"

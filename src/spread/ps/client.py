@@ -10,7 +10,7 @@ so the bytes moved grow with the rows a batch touches, not with the table (``byt
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -76,21 +76,59 @@ class PSClient:
     def bytes_received(self) -> int:
         return sum(c.bytes_received for c in self.clients)
 
-    def _each(self, calls: Mapping[int, Callable[[RpcClient], Message]]) -> dict[int, Message]:
-        """Run one call per server concurrently; wait for all; raise the first failure (by server)."""
+    def _each(
+        self, calls: Mapping[int, Callable[[RpcClient], Message]], *, fail_fast: bool = False
+    ) -> dict[int, Message]:
+        """Run one call per server concurrently; wait for all; raise the first failure (by server),
+        a :class:`ParameterServerError` carrying that server's index (``server``).
+
+        ``fail_fast``: raise a server's failure as soon as it comes, the other calls finishing in
+        the background on their own deadlines. A sync push needs it: the other servers answer only
+        when every task's share of the step is in, and a task that waits for a lost server's restore
+        must replay its steps to it first (:mod:`spread.ps.in_place`)."""
         if len(calls) == 1:
             ((server, fn),) = calls.items()
-            return {server: fn(self.clients[server])}
+            try:
+                return {server: fn(self.clients[server])}
+            except ParameterServerError as exc:
+                exc.server = server
+                raise
         futures = {s: self._pool.submit(fn, self.clients[s]) for s, fn in calls.items()}
+        if fail_fast:
+            pending = set(futures.values())
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for server in sorted(s for s, f in futures.items() if f in finished):
+                    failure = futures[server].exception()
+                    if isinstance(failure, ParameterServerError):
+                        failure.server = server
+                        raise failure
         results, first_error = {}, None
         for server in sorted(futures):
             try:
                 results[server] = futures[server].result()
             except BaseException as exc:
+                if isinstance(exc, ParameterServerError):
+                    exc.server = server
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error
         return results
+
+    def call(
+        self,
+        server: int,
+        method: str,
+        meta: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> Message:
+        """One call to one server (its failure carries the server's index, as :meth:`_each`'s)."""
+        return self._each(
+            {server: lambda c: c.call(method, meta, tensors, timeout=timeout, wait_for_ready=wait_for_ready)}
+        )[server]
 
     # -- set-up ------------------------------------------------------------------------------------
     def create(
@@ -204,6 +242,33 @@ class PSClient:
     ) -> dict[str, torch.Tensor]:
         """Send one step's gradients to every server (all of them take part, even with nothing to add,
         so sync mode can count workers) and return the fresh values of the dense variables ``pull``."""
+        parts = self.push_parts(
+            placement,
+            step_id=step_id,
+            worker=worker,
+            step=step,
+            optimizer=optimizer,
+            dense=dense,
+            sparse=sparse,
+            pull=pull,
+            wait=wait,
+        )
+        return self.send_push(placement, parts, pull=pull, wait=wait)
+
+    def push_parts(
+        self,
+        placement: Placement,
+        *,
+        step_id: str,
+        worker: int,
+        step: int,
+        optimizer: Mapping[str, Any],
+        dense: Mapping[str, torch.Tensor],
+        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        pull: list[str],
+        wait: float | None = None,
+    ) -> dict[int, Message]:
+        """Each server's part of one step's push, ``(meta, tensors)`` by server (see :meth:`push`)."""
         metas: dict[int, dict[str, Any]] = {
             s: {
                 "step_id": step_id,
@@ -237,14 +302,25 @@ class PSClient:
         for name in pull:
             for shard in placement.shards[name]:
                 metas[shard.server]["pull"].append(shard.key)
+        return {s: (metas[s], tensors[s]) for s in range(self.num_servers)}
+
+    def send_push(
+        self,
+        placement: Placement,
+        parts: Mapping[int, Message],
+        *,
+        pull: list[str],
+        wait: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Send :meth:`push_parts` to every server; the fresh values of the dense variables ``pull``."""
         budget = self.timeout + (wait or 0.0)
 
         def push(s: int) -> Callable[[RpcClient], Message]:
-            return lambda c: c.call("push", metas[s], tensors[s], timeout=budget)
+            return lambda c: c.call("push", parts[s][0], parts[s][1], timeout=budget)
 
         calls = {s: push(s) for s in range(self.num_servers)}
-        answers = self._each(calls)
-        self._note_versions({s: answers[s] for s in answers if metas[s]["pull"]})
+        answers = self._each(calls, fail_fast=True)
+        self._note_versions({s: answers[s] for s in answers if parts[s][0]["pull"]})
         by_key = {k: v for _, t in answers.values() for k, v in t.items()}
         return {name: by_key[placement.shards[name][0].key] for name in pull}
 
@@ -290,20 +366,25 @@ class PSClient:
         state: Mapping[int, Mapping[str, torch.Tensor]],
         config: Mapping[str, Any],
         ledgers: Mapping[int, Mapping[str, Any]] | None = None,
+        *,
+        restored_in_place: str = "",
     ) -> None:
-        """Overwrite every server's shards and optimizer state with ``state`` (a restore); with
-        ``ledgers``, also its update counters and applied step ids (see :meth:`snapshot`)."""
+        """Overwrite the shards and optimizer state of each server in ``state`` (a restore: every
+        server, or one restored in place, named by ``restored_in_place``, the backup's name); with
+        ``ledgers``, also their update counters and applied step ids (see :meth:`snapshot`)."""
 
         def meta(s: int) -> dict[str, Any]:
             out: dict[str, Any] = {"config": dict(config), "overwrite": True}
             if ledgers is not None:
                 out["ledger"] = dict(ledgers[s])
+            if restored_in_place:
+                out["restored_in_place"] = restored_in_place
             return out
 
         def create(s: int) -> Callable[[RpcClient], Message]:
             return lambda c: c.call("create", meta(s), dict(state[s]), wait_for_ready=True)
 
-        calls = {s: create(s) for s in range(self.num_servers)}
+        calls = {s: create(s) for s in state}
         self._each(calls)
 
     def announce(self, restored_from: str) -> None:

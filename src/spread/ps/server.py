@@ -22,12 +22,20 @@ Contract with the clients (:mod:`spread.ps.client`):
   Async-SGD for Distributed Deep Learning" (IJCAI 2016), normalised so that the usual staleness of
   ``W`` workers keeps the user's learning rate. ``"apply"`` applies every gradient as it is.
 * Every wait has a deadline and fails naming the workers it waited for.
+* A replacement (``replacement >= 1``: ``spread run --recover`` started this server again at the
+  address of one that was lost) holds nothing and refuses pushes, pulls and ``done`` until the chief
+  restores its shards from the backup (``create`` with ``restored_in_place``); its stats say so, and
+  carry a digest of the state it was given (:func:`state_digest`), so the chief checks that what
+  arrived is what it sent. The training tasks wait for it (:mod:`spread.strategies.parameter_server`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,14 +51,36 @@ STALE_GRADIENTS = ("scale", "apply")
 DEFAULT_WAIT = 300.0
 
 
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over a server's state as :meth:`ParameterServer._state` returns it (every shard and
+    optimizer slot: name, dtype, shape and bytes, in name order): the same on the chief, over what it
+    sends in a restore, and on the server, over what it then holds."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class ParameterServer:
     """One server task. Start with :meth:`start`; :meth:`serve_until_stopped` blocks for the ``ps`` role."""
 
     def __init__(
-        self, index: int, *, token: str, address: str | None = None, transport: str = DEFAULT_TRANSPORT
+        self,
+        index: int,
+        *,
+        token: str,
+        address: str | None = None,
+        transport: str = DEFAULT_TRANSPORT,
+        replacement: int = 0,
     ) -> None:
         self.index = index
         self.name = f"parameter server {index}"
+        self.replacement = replacement  # 0: started with the job; N: the Nth started again in its place
+        self.incarnation = secrets.token_hex(6)  # this process: a task waits once for each replacement
+        self.restored_in_place = ""  # a replacement: the backup it was restored from ("" until then)
+        self.restored_digest = ""  # state_digest of what that restore left here
         self.variables: dict[str, torch.Tensor] = {}
         self.optimizer: ServerOptimizer | None = None
         self.mode = "async"
@@ -74,12 +104,12 @@ class ParameterServer:
             self.name,
             {
                 "create": self._create,
-                "pull": self._pull,
-                "push": self._push,
+                "pull": self._unless_awaiting_restore(self._pull),
+                "push": self._unless_awaiting_restore(self._push),
                 "stats": self._stats,
-                "done": self._worker_done,
+                "done": self._unless_awaiting_restore(self._worker_done),
                 "stop": self._stop,
-                "state": self._state,
+                "state": self._unless_awaiting_restore(self._state),
             },
             token=token,
             address=address,
@@ -100,6 +130,19 @@ class ParameterServer:
         self.rpc.stop()
 
     # -- handlers ----------------------------------------------------------------------------------
+    def _unless_awaiting_restore(self, handler: Any) -> Any:
+        """``handler``, refused while this replacement has not been restored: it holds nothing yet."""
+
+        def guarded(meta: dict[str, Any], tensors: Tensors) -> Message:
+            if self.replacement and not self.restored_in_place:
+                raise RequestRefused(
+                    f"started again in place of a lost server (replacement {self.replacement}); it holds "
+                    "nothing until the chief restores it from the last backup"
+                )
+            return handler(meta, tensors)
+
+        return guarded
+
     def _create(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         config = meta.get("config") or {}
         with self._cond:
@@ -130,6 +173,9 @@ class ParameterServer:
                 self._load_ledger(meta["ledger"])
             if meta.get("restored_from"):  # the chief's word on this job's start: which backup, or none
                 self.restored_from = str(meta["restored_from"])
+            if meta.get("restored_in_place"):  # a replacement restored: it serves from now on
+                self.restored_digest = state_digest(self._state_tensors())
+                self.restored_in_place = str(meta["restored_in_place"])
             self._cond.notify_all()
         return {"created": created}, {}
 
@@ -141,8 +187,8 @@ class ParameterServer:
         self.applied_ids = {str(i) for i in ledger.get("applied_ids", [])}
         self._pending.clear()
         self._clocks.clear()
-        self._done.clear()
-        self._failed.clear()
+        self._done = {int(w) for w in ledger.get("done", [])}  # an in-place restore carries them over
+        self._failed = {int(w) for w in ledger.get("failed", [])}
         self.restored_from = str(ledger.get("restored_from", ""))
 
     def _load_optimizer_state(self, tensors: Tensors) -> None:
@@ -351,6 +397,10 @@ class ParameterServer:
                 "failed": sorted(self._failed),
                 "variables": sorted(self.variables),
                 "restored_from": self.restored_from,
+                "replacement": self.replacement,
+                "incarnation": self.incarnation,
+                "restored_in_place": self.restored_in_place,
+                "restored_digest": self.restored_digest,
             }
             if meta.get("ids"):
                 out["applied_ids"] = sorted(self.applied_ids)
@@ -371,11 +421,7 @@ class ParameterServer:
     def _state(self, meta: dict[str, Any], tensors: Tensors) -> Message:
         """Every shard and its optimizer state, for a checkpoint."""
         with self._cond:
-            out = {key: var.clone() for key, var in self.variables.items()}
-            if self.optimizer is not None:
-                for key in self.variables:
-                    for slot, value in self.optimizer.state_tensors(key).items():
-                        out[f"opt:{key}:{slot}"] = value.clone()
+            out = {key: value.clone() for key, value in self._state_tensors().items()}
             spec = self.optimizer.spec if self.optimizer is not None else None
             ledger = {
                 "version": self.version,
@@ -384,8 +430,22 @@ class ParameterServer:
             }
             return {"version": self.version, "optimizer": spec, "ledger": ledger}, out
 
+    def _state_tensors(self) -> Tensors:
+        """Every shard and optimizer slot as held (no copies; call under the lock)."""
+        out: Tensors = dict(self.variables)
+        if self.optimizer is not None:
+            for key in self.variables:
+                for slot, value in self.optimizer.state_tensors(key).items():
+                    out[f"opt:{key}:{slot}"] = value
+        return out
 
-def serve(index: int, *, token: str, address: str, transport: str = DEFAULT_TRANSPORT) -> None:
-    """Run parameter server ``index`` at ``address`` until the chief says stop (the ``ps`` role's main)."""
-    server = ParameterServer(index, token=token, address=address, transport=transport).start()
+
+def serve(
+    index: int, *, token: str, address: str, transport: str = DEFAULT_TRANSPORT, replacement: int = 0
+) -> None:
+    """Run parameter server ``index`` at ``address`` until the chief says stop (the ``ps`` role's main);
+    ``replacement``: see :class:`ParameterServer`."""
+    server = ParameterServer(
+        index, token=token, address=address, transport=transport, replacement=replacement
+    ).start()
     server.serve_until_stopped()

@@ -40,6 +40,13 @@ a worker tells the servers it is done (or that it failed, when the script raised
 waits for every training task, then stops the servers, so the whole job ends by itself. A chief
 whose script raised does not wait: it stops the servers at once, and the workers' next calls fail
 naming them.
+
+A lost server, restored in place: under ``spread run --ps P --recover`` (or ``restore_in_place=True``)
+the launcher starts a parameter server that died again at its address, the chief restores its shards
+and optimizer state from its latest backup (``BackupAndRestore``, or :meth:`save_servers`), and the
+training tasks wait for it (``restore_timeout``) and continue, none of them restarted. Sync mode
+replays the steps since the backup to it (the weights equal the uninterrupted run's); async mode
+loses that server's updates since the backup. :mod:`spread.ps.in_place` says how and why.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -67,6 +74,7 @@ from spread.data import DistributedDataset, ReplicaLayout, ShardPolicy
 from spread.errors import ParameterServerError, SpreadError
 from spread.ps.at_exit import close_at_exit
 from spread.ps.client import DEFAULT_TIMEOUT, PSClient
+from spread.ps.in_place import DEFAULT_RESTORE_TIMEOUT, InPlaceRestore, ReplayLog, ServerBackup
 from spread.ps.optimizers import spec_from_torch
 from spread.ps.placement import DEFAULT_MIN_SHARD_BYTES, Placement, VariableInfo, place
 from spread.ps.restore import BackupId, StartAnnouncements, resume_point
@@ -75,10 +83,11 @@ from spread.ps.step_ids import StepId
 from spread.ps.transports import DEFAULT_TRANSPORT, TRANSPORTS
 from spread.strategies import checkpointing
 from spread.strategies.base import Strategy, one_replica_tensor, replica_weights, run_as_replica
-from spread.strategies.checkpointing import Restored, StateLayout
+from spread.strategies.checkpointing import OBJECTS, Restored, StateLayout
 from spread.strategies.process_group import local_device
 
 MODES = ("async", "sync")
+T = TypeVar("T")
 TOKEN_ENV = env.JOB_TOKEN
 _DEFAULT_TOKEN = "spread-default-job-token"
 
@@ -113,6 +122,11 @@ class ParameterServerStrategy(Strategy):
         transport: the RPC layer, ``"zmq"`` (ZeroMQ) or ``"grpc"``; default
             ``SPREAD_PS_TRANSPORT`` or ``"zmq"``. Every task of a job must use the same.
         sync_batchnorm: must stay ``False`` (see the module docstring); ``True`` raises.
+        restore_in_place: wait for a lost server to be started again and restored from the chief's
+            latest backup, then continue (see the module docstring); default: under
+            ``spread run --recover`` (``SPREAD_RECOVER=1``), which starts lost servers again.
+        restore_timeout: seconds a training task waits for that (default ``SPREAD_PS_RESTORE_TIMEOUT``
+            or 120); then it fails naming the server and the operation.
     """
 
     def __init__(
@@ -128,6 +142,8 @@ class ParameterServerStrategy(Strategy):
         shutdown_timeout: float = 600.0,
         transport: str | None = None,
         sync_batchnorm: bool = False,
+        restore_in_place: bool | None = None,
+        restore_timeout: float | None = None,
     ) -> None:
         super().__init__(sync_batchnorm=sync_batchnorm)
         if sync_batchnorm:
@@ -146,6 +162,17 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"stale_gradients must be one of {STALE_GRADIENTS}, got {stale_gradients!r}")
         if min_shard_bytes < 1:
             raise ValueError(f"min_shard_bytes must be >= 1, got {min_shard_bytes!r}")
+        if restore_in_place is not None and not isinstance(restore_in_place, bool):
+            raise ValueError(f"restore_in_place must be None, True or False, got {restore_in_place!r}")
+        restore_timeout = _restore_timeout() if restore_timeout is None else restore_timeout
+        if (
+            isinstance(restore_timeout, bool)
+            or not isinstance(restore_timeout, int | float)
+            or not (0 < restore_timeout < float("inf"))
+        ):
+            raise ValueError(
+                f"restore_timeout must be a finite number of seconds > 0, got {restore_timeout!r}"
+            )
         transport = transport or os.environ.get(env.PS_TRANSPORT, DEFAULT_TRANSPORT)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
@@ -171,6 +198,7 @@ class ParameterServerStrategy(Strategy):
                 token=token,
                 address=servers[self.cluster.task_index],
                 transport=transport,
+                replacement=_replacement_number(),
             )
             raise SystemExit(0)
         self._device = local_device(self.cluster) if self.cluster.rank >= 0 else torch.device("cpu")
@@ -190,6 +218,24 @@ class ParameterServerStrategy(Strategy):
         self._wait_for_workers_on_close = True  # see leave_worker_shutdown_to_coordinator()
         self._weight = 1.0
         self._failing = False  # the script is ending with an uncaught exception
+        if restore_in_place is None:
+            restore_in_place = os.environ.get(env.RECOVER, "") == "1"
+        self._backup_location: tuple[Path, bool] | None = None  # (directory, a Trainer checkpoint)
+        self._replay = ReplayLog() if restore_in_place and mode == "sync" else None
+        # The evaluator only reads: it stops when a server is gone, as at the end of training.
+        self._in_place = (
+            InPlaceRestore(
+                self.client,
+                rank=self.rank,
+                timeout=float(restore_timeout),
+                backup_of=self._server_backup,
+                config=self._server_config,
+                replay=self._replay,
+                steps_done=lambda: self.local_step,
+            )
+            if restore_in_place and self.rank >= 0
+            else None
+        )
         self._step_hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
         task = f"{self.cluster.role} {self.cluster.task_index}"
         self._at_exit = close_at_exit(f"{task}: ParameterServerStrategy", self._close_at_exit)
@@ -319,13 +365,8 @@ class ParameterServerStrategy(Strategy):
         new = place(infos, self.client.num_servers, min_shard_bytes=self.min_shard_bytes)
         self.placement = Placement({**self.placement.shards, **new.shards}, self.client.num_servers)
         if self.is_chief:
-            config = {
-                "mode": self.mode,
-                "num_workers": self.num_workers,
-                "max_staleness": self.max_staleness,
-                "stale_gradients": self.stale_gradients,
-            }
-            self.client.create(new, {i.name: self._variables[i.name] for i in infos}, config)
+            values = {i.name: self._variables[i.name] for i in infos}
+            self.client.create(new, values, self._server_config())
         self._pull_whole([i.name for i in infos if not i.sparse], wait=self.init_timeout)
         for info in infos:
             if info.sparse:
@@ -339,10 +380,24 @@ class ParameterServerStrategy(Strategy):
     def _dense_names(self) -> list[str]:
         return [n for n, p in self._variables.items() if id(p) not in self._embedding_modules]
 
+    def _server_config(self) -> dict[str, Any]:
+        """The job's settings every server is created (or restored) with."""
+        return {
+            "mode": self.mode,
+            "num_workers": self.num_workers,
+            "max_staleness": self.max_staleness,
+            "stale_gradients": self.stale_gradients,
+        }
+
+    def _calling(self, op: str, fn: Callable[[], T]) -> T:
+        """``fn()`` (calls to the servers); with ``restore_in_place``, a lost server is waited for
+        until it is restored, then ``fn()`` again (:mod:`spread.ps.in_place`)."""
+        return fn() if self._in_place is None else self._in_place.call(op, fn)
+
     def _pull_whole(self, names: list[str], *, wait: float = 0.0) -> None:
         if not names:
             return
-        values = self.client.pull(self.placement, names, wait=wait)
+        values = self._calling("pull", lambda: self.client.pull(self.placement, names, wait=wait))
         self._assign(values)
 
     @torch.no_grad()
@@ -364,7 +419,7 @@ class ParameterServerStrategy(Strategy):
         unique = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64))
         if unique.numel() == 0:
             return
-        rows = self.client.pull_rows(self.placement, name, unique)
+        rows = self._calling("pull rows", lambda: self.client.pull_rows(self.placement, name, unique))
         with torch.no_grad():
             weight.index_copy_(0, unique.to(weight.device), rows.to(weight))
         if torch.is_grad_enabled():
@@ -394,7 +449,8 @@ class ParameterServerStrategy(Strategy):
             elif grad is not None:
                 dense[name] = grad.detach().to("cpu") * scale if scale != 1.0 else grad.detach()
         step_id = self._task_step_id or StepId(task=self.rank, session=self._session, number=self.local_step)
-        fresh = self.client.push(
+        pull = self._dense_names()
+        parts = self.client.push_parts(
             self.placement,
             step_id=step_id.encode(),
             worker=self.rank,
@@ -402,7 +458,12 @@ class ParameterServerStrategy(Strategy):
             optimizer=spec,
             dense=dense,
             sparse=sparse,
-            pull=self._dense_names(),
+            pull=pull,
+        )
+        if self._replay is not None:
+            self._replay.record(self.local_step, parts)
+        fresh = self._calling(
+            f"push (step {self.local_step})", lambda: self.client.send_push(self.placement, parts, pull=pull)
         )
         self._assign(fresh)
         self.local_step += 1
@@ -483,7 +544,7 @@ class ParameterServerStrategy(Strategy):
         """Every server's shards, optimizer state and ledger (counters and applied step ids), each
         server read under its own lock: the payload of :meth:`save_servers` and of a BackupAndRestore
         backup under this strategy."""
-        state, spec, ledgers = self.client.snapshot()
+        state, spec, ledgers = self._calling("state", self.client.snapshot)
         return {
             "servers": {str(s): tensors for s, tensors in state.items()},
             "optimizer": spec,
@@ -493,10 +554,46 @@ class ParameterServerStrategy(Strategy):
     def save_servers(self, directory: str | Path, *, step: int | None = None, keep: int = 3) -> Path:
         """Checkpoint every server's shards and optimizer state (the chief; atomic and verified).
 
-        Returns the checkpoint directory. Restore with :meth:`restore_servers`.
+        Returns the checkpoint directory. Restore with :meth:`restore_servers`; a server lost later
+        is restored in place from it (``restore_in_place``).
         """
-        return CheckpointManager(directory, keep=keep).save(
+        saved = CheckpointManager(directory, keep=keep).save(
             self.local_step if step is None else step, self.server_state()
+        )
+        self._backed_up(Path(directory), checkpoint=False)
+        return saved
+
+    def _backed_up(self, directory: Path, *, checkpoint: bool) -> None:
+        """A backup of this task's step ``local_step`` is written: the one a lost server is restored
+        from (the chief's), and the replay log's new start (sync mode)."""
+        if self.is_chief:
+            self._backup_location = (directory, checkpoint)
+        if self._replay is not None:
+            self._replay.backed_up(self.local_step)
+
+    def _server_backup(self, server: int) -> ServerBackup:
+        """The chief: ``server``'s part of the latest backup it wrote (for an in-place restore)."""
+        if self._backup_location is None:
+            raise SpreadError(
+                f"parameter server {server} was lost and started again, but the chief has written no "
+                "backup to restore it from yet (BackupAndRestore or save_servers): the job cannot go on"
+            )
+        directory, checkpoint = self._backup_location
+        loaded = CheckpointManager(directory).load_latest()
+        if loaded is None:
+            raise SpreadError(f"parameter server {server} was lost, and {directory} holds no backup")
+        step, payload = loaded
+        if checkpoint:
+            saved = payload[OBJECTS][_SERVERS]["value"]
+            servers, name = saved["servers"], str(saved["backup_id"])
+        else:
+            servers, name = payload, f"{step}-servers"
+        return ServerBackup(
+            name=name,
+            step=step,
+            tensors=dict(servers["servers"][str(server)]),
+            ledger=dict(servers["ledgers"][str(server)]),
+            optimizer=servers.get("optimizer"),
         )
 
     def load_server_state(self, payload: dict[str, Any], *, restored_from: str | None = None) -> None:
@@ -561,6 +658,18 @@ class ParameterServerStrategy(Strategy):
     def steps_together(self) -> bool:
         return False  # each task steps on its own: no step boundary to agree on
 
+    def check_recoverable(self) -> None:
+        """Under ``spread run --recover`` a parameter-server job recovers a lost *server* in place
+        (the module docstring); its training tasks never regroup (they share no collective), and a
+        lost one fails the job as without ``--recover``, so there is nothing to refuse."""
+
+    def regroup(self) -> None:
+        raise SpreadError(
+            "ParameterServerStrategy training tasks do not regroup: a lost parameter server is restored "
+            "in place under spread run --recover; a lost chief or worker fails the job (--max-restarts "
+            "with BackupAndRestore restarts it from the last backup)"
+        )
+
     def _state_layout(self) -> StateLayout:
         return ServerLayout(self)
 
@@ -578,11 +687,15 @@ class ParameterServerStrategy(Strategy):
         _refuse_url(path)
         if self.is_chief:
             servers = {"servers": self.server_state(), "backup_id": BackupId.new(step).encode()}
-            return checkpointing.save(self, path, {**state, _SERVERS: servers}, step=step, keep=keep)
+            saved = checkpointing.save(self, path, {**state, _SERVERS: servers}, step=step, keep=keep)
+            self._backed_up(Path(path), checkpoint=True)
+            return saved
         own = _task_directory(path, self.rank)
         if self.rank in self._own_parts():
             # One more than the chief keeps: a task may be one checkpoint ahead of a chief that died saving.
-            return checkpointing.save(self, own, _own_state(state), step=step, keep=keep + 1, writes=True)
+            saved = checkpointing.save(self, own, _own_state(state), step=step, keep=keep + 1, writes=True)
+            self._backed_up(own, checkpoint=True)
+            return saved
         return own / f"ckpt-{step:010d}"
 
     def load_checkpoint(
@@ -604,6 +717,7 @@ class ParameterServerStrategy(Strategy):
             own_state = _own_state(state)
             own = checkpointing.load(self, _task_directory(path, self.rank), own_state, step=held)
             state.update({k: v for k, v in own_state.items() if k in state})
+        self._backed_up(Path(path), checkpoint=True)  # the servers now hold that backup
         return Restored(step=backup.step, resume_step=held, restored_objects=own is not None)
 
     def _restore_as_chief(
@@ -630,6 +744,7 @@ class ParameterServerStrategy(Strategy):
                 f"backup {backup_id}: the servers hold {held} of the chief's steps, "
                 f"the chief saved at step {restored.step}"
             )
+        self._backed_up(Path(path), checkpoint=True)  # a server lost from now on is restored from it
         return restored
 
     def delete_checkpoints(self, path: str | Path) -> None:
@@ -679,7 +794,7 @@ class ParameterServerStrategy(Strategy):
             return
         budget = self.shutdown_timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        done = self.client.done(self.rank)
+        done = self._calling("done", lambda: self.client.done(self.rank))
         while not all(len(d) >= self.num_workers for d in done):
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.num_workers)) - set(done[0]))
@@ -688,8 +803,8 @@ class ParameterServerStrategy(Strategy):
                     f"{budget:g}s (a task that died without closing never says it finished)"
                 )
             time.sleep(0.1)
-            done = [s["done"] for s in self.client.stats()]
-        failed = sorted({w for s in self.client.stats() for w in s.get("failed", [])})
+            done = [s["done"] for s in self._calling("stats", self.client.stats)]
+        failed = sorted({w for s in self._calling("stats", self.client.stats) for w in s.get("failed", [])})
         if failed:
             print(
                 f"spread: rank {self.rank}: training task(s) of rank(s) {failed} ended with an error",
@@ -718,7 +833,7 @@ class ParameterServerStrategy(Strategy):
         waiting_failed: SpreadError | None = None
         try:
             if self.rank >= 0 and not self.is_chief:
-                self.client.done(self.rank, failed=self._failing)
+                self._calling("done", lambda: self.client.done(self.rank, failed=self._failing))
             elif self.is_chief and self._wait_for_workers_on_close and not self._failing:
                 try:
                     self.wait_for_workers()
@@ -735,6 +850,22 @@ class ParameterServerStrategy(Strategy):
             super().close()
         if waiting_failed is not None:
             raise waiting_failed
+
+
+def _restore_timeout() -> float:
+    text = os.environ.get(env.PS_RESTORE_TIMEOUT, "")
+    try:
+        return float(text) if text else DEFAULT_RESTORE_TIMEOUT
+    except ValueError:
+        raise ValueError(f"{env.PS_RESTORE_TIMEOUT} must be a number of seconds, got {text!r}") from None
+
+
+def _replacement_number() -> int:
+    """Which replacement of a lost server this process is (``spread run --recover`` sets it; 0: none)."""
+    text = os.environ.get(env.PS_REPLACEMENT, "0") or "0"
+    if not text.isdigit():
+        raise ValueError(f"{env.PS_REPLACEMENT} must be an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _row_gradient(grad: torch.Tensor, touched: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
