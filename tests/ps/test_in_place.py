@@ -26,13 +26,25 @@ LOSE_AT = 5  # server 1 is lost after steps 3 and 4 reached it (after the backup
 
 
 def _train(
-    tmp_path: Path, monkeypatch, mode: str, *, lose: bool, replacement: bool = True, backup: bool = True
+    tmp_path: Path,
+    monkeypatch,
+    mode: str,
+    *,
+    lose: bool,
+    replacement: bool = True,
+    backup: bool = True,
+    transport: str = "zmq",
 ) -> dict:
     monkeypatch.setenv("SPREAD_JOB_TOKEN", TOKEN)
-    servers = [ParameterServer(i, token=TOKEN).start() for i in range(2)]
+    servers = [ParameterServer(i, token=TOKEN, transport=transport).start() for i in range(2)]
     spec = chief_of([s.address for s in servers])
     strategy = spread.ParameterServerStrategy(
-        mode, cluster=spec, timeout=10, restore_in_place=True, restore_timeout=1.5 if not replacement else 30
+        mode,
+        cluster=spec,
+        timeout=10,
+        restore_in_place=True,
+        restore_timeout=1.5 if not replacement else 30,
+        transport=transport,
     )
     try:
         with strategy.scope():
@@ -47,7 +59,10 @@ def _train(
             if step == LOSE_AT and lose:
                 servers[1].stop()
                 if replacement:
-                    servers[1] = ParameterServer(1, token=TOKEN, address=servers[1].address, replacement=1)
+                    address = servers[1].address
+                    servers[1] = ParameterServer(
+                        1, token=TOKEN, address=address, replacement=1, transport=transport
+                    )
                     servers[1].start()
             optimizer.zero_grad()
             strategy.run(lambda x=x: model(x).pow(2).mean().backward())
@@ -72,11 +87,12 @@ def _backup_digest(directory: Path, server: int) -> str:
     return state_digest(payload["servers"][str(server)])
 
 
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
 def test_sync_mode_replays_the_steps_since_the_backup_and_ends_with_the_uninterrupted_weights(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, transport
 ):
-    reference = _train(tmp_path / "ref", monkeypatch, "sync", lose=False)
-    run = _train(tmp_path / "run", monkeypatch, "sync", lose=True)
+    reference = _train(tmp_path / "ref", monkeypatch, "sync", lose=False, transport=transport)
+    run = _train(tmp_path / "run", monkeypatch, "sync", lose=True, transport=transport)
     (restore,) = run["restores"]
     assert restore["server"] == 1 and restore["backup"] == f"{BACKUP_AT}-servers"
     assert restore["replayed"] == [3, 4]  # the steps after the backup, before the one in flight
