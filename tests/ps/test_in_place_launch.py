@@ -95,13 +95,31 @@ def _check_restored_in_place(run: dict) -> list[int]:
     return list(range(int(chief[5]), int(chief[6]) + 1)) if chief[5] else []
 
 
-@pytest.mark.processes
-def test_sync_a_lost_server_is_restored_in_place_and_the_job_ends_with_the_uninterrupted_weights(tmp_path):
-    reference = _run(tmp_path, "sync", -1)
+@pytest.fixture(scope="module")
+def uninterrupted_sync(tmp_path_factory) -> dict:
+    reference = _run(tmp_path_factory.mktemp("reference"), "sync", -1)
     assert reference["code"] == 0, reference["log"][-4000:]
-    run = _run(tmp_path, "sync", KILL_AT)
-    replayed = _check_restored_in_place(run)
-    assert replayed == [3, 4], replayed  # the backup of step 3; step 5 was in flight
+    return reference
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    ("kill_at", "found_by", "replayed"),
+    [
+        (KILL_AT, "push (step 5)", [3, 4]),  # the backup of step 3; step 5 in flight
+        # Lost just before the chief's backup of step 6: its snapshot finds it while the worker's push
+        # of step 6 waits at server 0 for the chief's share (the worker must not wait for that answer
+        # before it replays steps 3-5 to server 1: PSClient fails a push fast).
+        (6, "state", [3, 4, 5]),
+    ],
+)
+def test_sync_a_lost_server_is_restored_in_place_and_the_job_ends_with_the_uninterrupted_weights(
+    tmp_path, uninterrupted_sync, kill_at, found_by, replayed
+):
+    reference = uninterrupted_sync
+    run = _run(tmp_path, "sync", kill_at)
+    assert f"was lost during {found_by} (" in run["log"], run["log"][-4000:]
+    assert _check_restored_in_place(run) == replayed
     assert run["weights"] == reference["weights"]  # bit for bit
     assert [s["version"] for s in run["ledger"]] == [STEPS_PER_TASK, STEPS_PER_TASK]
 

@@ -1,5 +1,6 @@
 """A parameter-server job (Trainer.fit, BackupAndRestore every 3 steps) whose chief SIGKILLs
-parameter server 1 after its global step ``kill_at`` (-1: never), for spread run --recover.
+parameter server 1 after its global step ``kill_at`` (-1: never), for spread run --recover. The kill
+comes before that step's backup: at a multiple of 3 the chief's backup is the call that finds it lost.
 
 Arguments: mode (sync/async), a work directory, kill_at, and "back" or "never-back" (the server's
 replacement hangs before serving, so the tasks' wait for its restore must end). Every process prints
@@ -47,7 +48,7 @@ with strategy.scope():
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 backup = BackupAndRestore(str(work / "backup"), save_freq=3, delete_checkpoint=False, keep=100)
 trainer = spread.Trainer(
-    model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=[backup, KillServer()]
+    model, optimizer, nn.CrossEntropyLoss(), strategy=strategy, callbacks=[KillServer(), backup]
 )
 trainer.fit((x, y), epochs=2, global_batch_size=32, verbose=0)
 if strategy.is_chief:
