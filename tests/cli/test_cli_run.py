@@ -86,6 +86,36 @@ def test_no_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "usage: spread" in capsys.readouterr().err
 
 
+def test_kubeflow_elastic_variables_alone_configure_an_elastic_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PET_* as Kubeflow's training operator sets them for an elastic PyTorchJob, no flags: the
+    endpoint is the rendezvous (PET_MASTER_ADDR/PORT, another name and port for the master, do not
+    conflict with it, as under torchrun) and the machines are numbered by it (PET_NODE_RANK unused)."""
+    import spread.cluster.launcher as launcher
+
+    kubeflow = {
+        "PET_NNODES": "1:2",
+        "PET_NODE_RANK": "1",
+        "PET_NPROC_PER_NODE": "2",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "job-worker-0:23456",
+        "PET_RDZV_ID": "job-17",
+        "PET_MAX_RESTARTS": "3",
+        "PET_MASTER_ADDR": "job-master-0",
+        "PET_MASTER_PORT": "29500",
+    }
+    for name, value in kubeflow.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+    monkeypatch.setattr(launcher, "launch", lambda config: seen.append(config) or 0)
+    assert main(["run", "t.py"]) == 0
+    config = seen[0]
+    assert (config.rdzv_backend, config.min_nodes, config.nnodes, config.nproc) == ("c10d", 1, 2, 2)
+    assert (config.master_addr, config.master_port) == ("job-worker-0", 23456)
+    assert (config.run_id, config.max_restarts, config.node_rank) == ("job-17", 3, 0)
+    # Typed on the command line, a master address other than the endpoint is still refused.
+    assert main(["run", "--master-addr", "elsewhere", "t.py"]) == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -136,6 +136,35 @@ def test_pet_variables_alone_make_a_two_machine_job(job: dict) -> None:
     assert "rank 0 of 2 node 0 sum 3" in out0 and "rank 1 of 2 node 1 sum 3" in out1
 
 
+def test_pet_variables_alone_make_an_elastic_job_as_kubeflow_sets_them(job: dict) -> None:
+    """An elastic PyTorchJob (Kubeflow's training operator): PET_NNODES is the range MIN:MAX, the
+    rendezvous is PET_RDZV_*, and PET_MASTER_ADDR/PORT name the master's service, another address and
+    port than the endpoint; PET_NODE_RANK is the pod's index. ``spread run train.py`` with only those
+    forms one elastic job of both machines (it refused before: "give either --rdzv-endpoint or
+    --master-addr/--master-port"); torchrun, too, uses the endpoint and lets the rendezvous number
+    the machines."""
+    master_port = free_ports(1)[0]
+    base = dict(
+        job["env"],
+        PET_NNODES="1:2",
+        PET_NPROC_PER_NODE="1",
+        PET_RDZV_BACKEND="c10d",
+        PET_RDZV_ENDPOINT=f"127.0.0.1:{job['port']}",
+        PET_RDZV_ID="kubeflow-job",
+        PET_MAX_RESTARTS="3",
+        PET_MASTER_ADDR="localhost",
+        PET_MASTER_PORT=str(master_port),
+    )
+    # 30 s alone first if the rendezvous started a machine alone: the other's arrival is then a new
+    # round of two (as when a machine joins later), never a job that ended before it came.
+    nodes = [_node(job, env=dict(base, PET_NODE_RANK=str(rank)), seconds=30) for rank in (0, 1)]
+    (code0, out0), (code1, out1) = _finish(*nodes)
+    assert (code0, code1) == (0, 0), out0 + out1
+    both = out0 + out1
+    assert re.search(r"rank 0 of 2 node 0 sum 3", both) and re.search(r"rank 1 of 2 node 1 sum 3", both), both
+    assert "done rank 0 of 2" in both and "done rank 1 of 2" in both, both
+
+
 def test_a_machine_with_another_secret_cannot_join(job: dict, tmp_path: Path) -> None:
     """What makes the derived token safe: a process without the user's secret computes another token
     and is refused by spread's handshake, with a clear error, before any collective."""

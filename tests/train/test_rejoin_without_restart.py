@@ -53,13 +53,27 @@ class Machines:
         self.pids: set[int] = set()
         self.logs: list[list[str]] = []
 
-    def start(self, nproc: int, *, host: bool = False, chaos: str = "", backups: bool = False) -> int:
+    def start(
+        self,
+        nproc: int,
+        *,
+        host: bool = False,
+        chaos: str = "",
+        backups: bool = False,
+        full: int = 3,
+        host_id: str = "",
+    ) -> int:
+        """Start a machine of ``nproc`` ranks (``host``: at the rendezvous endpoint); ``host_id``: it
+        passes for a host of its own (``SPREAD_HOST_ID``: its ranks' pids cannot be checked by the
+        others); ``full``: the world size at which the survivors stop waiting for a machine to join."""
         endpoint = f"127.0.0.1:{self.port}"
         conf = f"last_call_timeout=1,join_timeout=120,is_host={int(host)}"
         command = [sys.executable, "-m", "spread.cli.main", "run", "--recover", "-n", str(nproc)]
         command += ["--nnodes", "2:3", "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf]
-        command += [str(SCRIPT), "3", self.backups if backups else "-"]
-        env = dict(self.env, SPREAD_TEST_CHAOS=chaos) if chaos else self.env
+        command += [str(SCRIPT), str(full), self.backups if backups else "-"]
+        env = dict(self.env, SPREAD_TEST_CHAOS=chaos) if chaos else dict(self.env)
+        if host_id:
+            env["SPREAD_HOST_ID"] = host_id
         node = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.nodes.append(node)
         self.logs.append([])
@@ -181,3 +195,30 @@ def test_two_failures_in_one_job_each_followed_by_a_machine_that_joins(
     assert machines.finish(again)[0] != 0
     assert log.count("admitting the machine(s) that wait to join") == 2, log
     _assert_uninterrupted(_results(log) + _results(log_third), uninterrupted, 3)
+
+
+# A loss on another machine (issue 36 item 2): each "machine" passes for a host of its own
+# (SPREAD_HOST_ID), so the survivors cannot see the lost process exit and learn of the loss from its
+# launcher's report in the job store. The regroup timeout is longer than this test's own timeout:
+# survivors that waited for it would fail the test. How each machine is lost, and how it is known:
+HOST_LOSS = {
+    "a rank killed, its launcher reports the exit": "die",
+    "the machine preempted, its launcher reports leaving": "term",
+    "the machine killed whole, its launcher's beat stops": "kill",
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOST_LOSS))
+def test_a_loss_on_another_machine_is_known_without_waiting_for_the_regroup_timeout(
+    machines: Machines, uninterrupted: dict, case: str
+) -> None:
+    machines.env["SPREAD_REGROUP_TIMEOUT"] = "3600"
+    first = machines.start(2, host=True, full=2, host_id="machine-a")
+    second = machines.start(1, chaos=f"{HOST_LOSS[case]}@5", full=2, host_id="machine-b")
+    code, log = machines.finish(first)
+    code_second, log_second = machines.finish(second)
+    assert code == 0, log + log_second
+    assert code_second != 0, log_second
+    assert "regrouped at world size 2 without restart" in log, log
+    print("FIGURES host loss", case, re.findall(r"without restart in [\d.]+s", log))
+    _assert_uninterrupted(_results(log), uninterrupted, 2)

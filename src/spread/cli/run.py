@@ -384,9 +384,20 @@ def _rendezvous_address(args: argparse.Namespace) -> tuple[str | None, int | Non
         host, port = args.rdzv_endpoint, "29400"
     endpoint = host.strip("[]") or None, _port(port)
     given = args.master_addr, args.master_port
-    if given != (None, None) and given != endpoint:  # Kubeflow may set both, alike
+    # Kubeflow's operators set PET_MASTER_ADDR/PORT beside PET_RDZV_ENDPOINT, not always alike (the
+    # master's service name and port, the rendezvous host's): torchrun then uses the endpoint.
+    from_environment = given == (os.environ.get("PET_MASTER_ADDR"), _environment_port("PET_MASTER_PORT"))
+    if given != (None, None) and given != endpoint and not from_environment:
         raise ValueError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
     return endpoint
+
+
+def _environment_port(name: str) -> int | None:
+    """The port in the environment variable ``name``, if it holds one."""
+    try:
+        return _port(os.environ[name])
+    except (KeyError, ValueError, argparse.ArgumentTypeError):
+        return None
 
 
 def _rendezvous_backend(args: argparse.Namespace) -> str:

@@ -30,6 +30,10 @@ attempt. On top of it:
 * **Bounded restarts.** ``max_restarts`` relaunches the whole group with ``TORCHELASTIC_RESTART_COUNT``
   incremented; the store lives on, and each attempt's keys live under their own prefix. Stop signals
   never restart.
+* **Losses told to the other machines.** Under ``--recover`` with several machines each launcher keeps
+  a report in the job store (which of its ranks exited, whether it got a stop signal, a beat),
+  written by :mod:`spread.cluster._machine_reporter`: survivors elsewhere regroup without waiting
+  for ``SPREAD_REGROUP_TIMEOUT`` (:mod:`spread.cluster.machine_reports`).
 
 This module must not import torch (or any spread module that does): ``spread run`` should be running
 the user's script a few tens of milliseconds after it is typed; the store's process imports torch.
@@ -372,6 +376,44 @@ class _StoreHost:
             self.proc.wait()
 
 
+class _MachineReporter:
+    """``--recover`` on several machines: this machine's report in the job store (exited ranks, a stop
+    signal, a beat), kept by :mod:`spread.cluster._machine_reporter` for one attempt, so that
+    survivors on other machines regroup without waiting for ``SPREAD_REGROUP_TIMEOUT``."""
+
+    _CLOSE_WAIT = 1.0  # seconds for the reporter to write what it was told and end (it writes in ms)
+
+    def __init__(self, address: tuple[str, int], attempt: int, launcher_id: int, token: str) -> None:
+        settings = {"addr": address[0], "port": address[1], "attempt": attempt, "launcher": launcher_id}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spread.cluster._machine_reporter", json.dumps(settings)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, TOKEN_ENV: token},  # never on the command line
+            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which decides
+            preexec_fn=die_with_parent_hook(),
+        )
+
+    def tell(self, **event: object) -> None:
+        """``exited=PGID`` (a rank exited) or ``leaving=True`` (the launcher got a stop signal)."""
+        try:
+            self.proc.stdin.write(json.dumps(event).encode() + b"\n")  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, ValueError):
+            pass  # the reporter is gone: the survivors fall back to the regroup timeout
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=self._CLOSE_WAIT)
+        except subprocess.TimeoutExpired:
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 class _ErrorFiles:
     """torchrun's ``TORCHELASTIC_ERROR_FILE``: a path per rank and attempt where a script decorated with
     ``torch.distributed.elastic.multiprocessing.errors.record`` writes its exception as JSON, read
@@ -456,6 +498,7 @@ class _Launch:
     errors: _ErrorFiles
     report: ReportFile
     elastic: ElasticRendezvous | None
+    launcher_id: int = 0  # --recover on several machines: the id of this machine's report (0: none)
 
 
 class _Attempt:
@@ -484,6 +527,7 @@ class _Attempt:
         self.addresses: tuple[str, int] | None = None  # MASTER_ADDR and MASTER_PORT given to the ranks
         self.replacements: dict[int, int] = {}  # --recover, --ps: local rank -> times started again
         self.retired: list[int] = []  # process groups of lost servers (their helpers die with them)
+        self.reporter: _MachineReporter | None = None  # --recover on several machines
 
     def rank(self, local_rank: int) -> int:
         return self.rank_offset + local_rank
@@ -522,6 +566,9 @@ class _Attempt:
             **({spread_env.JOIN: "1"} if self.round is not None and self.round.join else {}),
             PYTHONUNBUFFERED="1",
         )
+        env.pop(spread_env.LAUNCHER_ID, None)  # an outer launcher's: never read as this one's
+        if self.reporter is not None:
+            env[spread_env.LAUNCHER_ID] = str(self.launch.launcher_id)
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         env[TOKEN_ENV] = self.launch.token
         if self.relay.live:  # the ranks' stdout is a pipe; tell them a person watches, and how wide
@@ -561,6 +608,8 @@ class _Attempt:
         try:
             return self._run(store)
         finally:
+            if self.reporter is not None:
+                self.reporter.close()
             if store is not None:
                 store.close()
 
@@ -579,6 +628,10 @@ class _Attempt:
         else:
             self.store_address = (addr, port)
         self.addresses = (addr, port)
+        if self.launch.launcher_id and self.store_address is not None:
+            self.reporter = _MachineReporter(
+                self.store_address, self.restart_count, self.launch.launcher_id, self.launch.token
+            )
         try:
             hook = die_with_parent_hook()
             for local_rank in range(c.nproc):
@@ -661,6 +714,8 @@ class _Attempt:
         except queue.Empty:
             return False
         if event[0] == "signal":
+            if self.reporter is not None:  # this machine goes away: its ranks will not regroup
+                self.reporter.tell(leaving=True)
             return True
         if event[0] == "where":
             self._start_report()
@@ -668,6 +723,8 @@ class _Attempt:
         _, number, local_rank, returncode = event
         if number == self.number:
             self.returncodes[local_rank] = returncode
+            if self.reporter is not None:  # its process group: the rank's own pid under spread run
+                self.reporter.tell(exited=self.procs[local_rank].pid)
         return False
 
     def _start_report(self) -> None:
@@ -958,7 +1015,11 @@ def launch(config: LaunchConfig) -> int:
     job_over = True  # whether to close the rendezvous when this machine's part ends
     try:
         with _SignalTrap(queue.SimpleQueue()) as trap:
-            job = _Launch(config, token, run_id, trap, relay, _ErrorFiles(), ReportFile(), elastic)
+            # Several machines under --recover: each reports its ranks' exits in the job store.
+            launcher_id = secrets.randbelow(2**62) + 1 if config.recover and config.nnodes > 1 else 0
+            job = _Launch(
+                config, token, run_id, trap, relay, _ErrorFiles(), ReportFile(), elastic, launcher_id
+            )
             try:
                 failure = _attempts(job)
             finally:

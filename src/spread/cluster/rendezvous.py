@@ -31,7 +31,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from spread import env
+from spread.cluster.machine_reports import LossWatch, RankPlace
 from spread.cluster.spec import ClusterSpec
 from spread.errors import JobTokenError, RendezvousError
 
@@ -185,18 +186,29 @@ class Rendezvous:
             return False
         return int(self._job_store.add(_JOINERS, 0)) > self.admitted
 
-    def regroup(self, gone: Callable[[], Iterable[int]], timeout: float) -> Rendezvous:
+    def regroup(
+        self,
+        gone: Callable[[], Iterable[int]],
+        timeout: float,
+        places: Mapping[int, RankPlace] | None = None,
+    ) -> Rendezvous:
         """Form the next generation's group of the ranks still alive, and of the processes that wait
         to join (recovery without restart, and growing back).
 
         The current group must be destroyed already (:meth:`close`). Survivors agree on membership
         through the store, never a collective (the group is broken): each posts itself under the
-        next generation; the first survivor to see every rank either posted or in ``gone()`` (ranks
-        known to have exited), or ``timeout`` seconds pass, writes the member list with a
-        compare-and-set (the survivors, then every process waiting to join), and every survivor
-        reads that one list. A rank not on it (it came too late) raises :class:`RendezvousError`.
-        New ranks follow the old ranks' order, joiners last; the group lives under a prefix of its
-        own, so no key of the broken group is read again.
+        next generation; the first survivor to see every rank either posted or known gone, or
+        ``timeout`` seconds pass, writes the member list with a compare-and-set (the survivors, then
+        every process waiting to join), and every survivor reads that one list. A rank not on it (it
+        came too late) raises :class:`RendezvousError`. New ranks follow the old ranks' order,
+        joiners last; the group lives under a prefix of its own, so no key of the broken group is
+        read again.
+
+        Known gone: ``gone()`` (ranks this process saw exit: those of its own machine), and, given
+        ``places`` (each old rank's process group and launcher id), the ranks whose launchers'
+        reports in the store show them exited, their machine going away or silent
+        (:class:`~spread.cluster.machine_reports.LossWatch`): ranks on other machines, without waiting
+        for ``timeout``.
         """
         if self._keys is None or self._job_store is None:
             raise RendezvousError(
@@ -205,8 +217,22 @@ class Rendezvous:
         generation = self.generation + 1
         old_rank, old_world = self.spec.rank, self.spec.world_size
         keys, scope = self._keys, f"regroup/{generation}"
+        others = {rank: place for rank, place in (places or {}).items() if rank != old_rank}
+        watch = LossWatch(keys, others)
+
+        def known_gone() -> set[int]:
+            return set(gone()) | watch.gone()
+
         try:
-            members = _agree_on_members(keys, scope, old_rank, old_world, gone, timeout, self.admitted)
+            members = _agree_on_members(keys, scope, old_rank, old_world, known_gone, timeout, self.admitted)
+            told = {rank: why for rank, why in sorted(watch.why.items()) if rank not in members}
+            if told and members and members[0] == old_rank:  # said once, by the new group's first rank
+                print(
+                    f"spread: rank {old_rank}: regroup {generation}: known gone from their machines' "
+                    f"reports: {'; '.join(f'rank {rank} {why}' for rank, why in told.items())}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if old_rank not in members:
                 raise RendezvousError(
                     f"rank {old_rank}: left out of the job's regroup {generation}: the survivors "
@@ -336,6 +362,14 @@ def _attempt_scope(restart_count: int) -> str:
     return f"spread/{restart_count}"
 
 
+def job_keys(tcp: dist.Store, token: str, restart_count: int) -> _SealedKeys:
+    """The job's sealed keys in attempt ``restart_count`` of the store ``tcp`` (their ``store`` is the
+    attempt's job store): what the ranks, ``spread run``'s report of where each rank is, and the
+    launchers' machine reports (:mod:`spread.cluster.machine_reports`) all read and write."""
+    scope = _attempt_scope(restart_count)
+    return _SealedKeys(dist.PrefixStore(_job_prefix(token), dist.PrefixStore(scope, tcp)), token, scope)
+
+
 def open_job_store(
     host: str, port: int, token: str, restart_count: int, timeout: float
 ) -> tuple[dist.Store, int | None]:
@@ -344,9 +378,8 @@ def open_job_store(
     (after recoveries, the last regroup's) and that group's size (``None``: the job's first group).
     Raises ``RuntimeError`` when unreachable."""
     tcp = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
-    scope = _attempt_scope(restart_count)
-    job_store = dist.PrefixStore(_job_prefix(token), dist.PrefixStore(scope, tcp))
-    keys = _SealedKeys(job_store, token, scope)
+    keys = job_keys(tcp, token, restart_count)
+    job_store = keys.store
     store: dist.Store = job_store
     world_size: int | None = None
     generation = 1

@@ -3,7 +3,12 @@
 gloo reports a peer that died as ``Connection closed by peer [127.0.0.1]:25267``: an address, not a
 rank. Strategies record every rank's host and process id once, at start-up (one small all-gather);
 when a collective then fails with a lost peer, the ranks on this host whose process is gone are named.
-Ranks on other hosts cannot be checked from here (that needs the launcher, which names them).
+Ranks on other hosts cannot be checked from here: with each rank's process group and launcher id
+(:class:`~spread.cluster.machine_reports.RankPlace`, recorded alongside) a regroup reads what their
+launchers reported instead.
+
+"This host" is the host name, or ``SPREAD_HOST_ID`` where set: tests make one machine pass for
+several with it (and containers that share a host name can tell themselves apart).
 """
 
 from __future__ import annotations
@@ -16,23 +21,51 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from spread import env
+from spread.cluster.machine_reports import RankPlace
+
 if TYPE_CHECKING:  # pragma: no cover
     from spread.comm.ops import Collectives
 
 _job_processes: dict[int, tuple[int, int]] = {}  # rank -> (host digest, pid): this process's job
+_job_places: dict[int, RankPlace] = {}  # rank -> its process group and launcher id
 
 
 def host_digest() -> int:
-    """This machine's name as a number ranks can compare in a collective."""
-    return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "big")
+    """This machine's name (``SPREAD_HOST_ID``, else the host name) as a number ranks can compare in
+    a collective."""
+    name = os.environ.get(env.HOST_ID) or socket.gethostname()
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "big")
+
+
+def _launcher_id() -> int:
+    """The id under which this rank's launcher reports its machine (``SPREAD_LAUNCHER_ID``; 0: none)."""
+    try:
+        return max(0, int(os.environ.get(env.LAUNCHER_ID, "0")))
+    except ValueError:
+        return 0
 
 
 def record_job_processes(collectives: Collectives) -> None:
-    """Learn every rank's host and process id (collective over the job's default group)."""
-    mine = torch.tensor([host_digest(), os.getpid()], dtype=torch.int64, device=collectives.device)
-    everyone = collectives.all_gather(mine, name="job_processes")
+    """Learn every rank's host, process id, process group and launcher id (collective over the job's
+    default group)."""
+    mine = [host_digest(), os.getpid(), os.getpgrp(), _launcher_id()]
+    everyone = collectives.all_gather(
+        torch.tensor(mine, dtype=torch.int64, device=collectives.device), name="job_processes"
+    )
+    rows = [[int(v) for v in t.tolist()] for t in everyone]
     _job_processes.clear()
-    _job_processes.update({rank: (int(t[0]), int(t[1])) for rank, t in enumerate(everyone)})
+    _job_processes.update({rank: (host, pid) for rank, (host, pid, _, _) in enumerate(rows)})
+    _job_places.clear()
+    _job_places.update(
+        {rank: RankPlace(group=group, launcher=launcher) for rank, (_, _, group, launcher) in enumerate(rows)}
+    )
+
+
+def job_places() -> dict[int, RankPlace]:
+    """Every recorded rank's process group and launcher id (for a regroup to read their machines'
+    reports)."""
+    return dict(_job_places)
 
 
 def _exited(pid: int) -> bool:

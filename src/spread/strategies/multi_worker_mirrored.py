@@ -51,7 +51,7 @@ from spread.comm.compiled import bucket_graph_breaks
 from spread.comm.flight import start_watch, stop_watch
 from spread.comm.local_parts import local_part
 from spread.comm.ops import destroy_group
-from spread.comm.peers import gone_ranks, on_this_host, record_job_processes
+from spread.comm.peers import gone_ranks, job_places, on_this_host, record_job_processes
 from spread.comm.structure import broadcast_structure
 from spread.data import DataChannel, ReplicaLayout, StepInfo
 from spread.errors import SpreadError
@@ -222,7 +222,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._reducer = None
         self.collectives.close()
         self._resources.release()  # the algorithm, the flight watch, then the broken group
-        self._rendezvous = old.regroup(lambda: [rank for rank, _ in gone_ranks(wait=0.0)], regroup_timeout())
+        self._rendezvous = old.regroup(
+            lambda: [rank for rank, _ in gone_ranks(wait=0.0)], regroup_timeout(), places=job_places()
+        )
         members = self._rendezvous.members
         left_here = sum(1 for r in range(old.world_size) if r not in members and on_this_host(r))
         self.cluster = replace(

@@ -5,6 +5,7 @@ only in the environment of the machines to hurt) makes the machine's last rank h
 machine before optimizer step ``STEP``:
 
 * ``kill``: SIGKILL of the machine's launcher (its agent and ranks die with it) and of the rank;
+* ``die``: SIGKILL of the rank alone (its launcher lives on and reports the exit);
 * ``backward``: the same, from inside backward (its peers wait in the gradient all-reduce);
 * ``term``: SIGTERM to the machine's launcher (a preemption: it stops its ranks and exits);
 * ``stop``: SIGSTOP of the rank (its launcher kills it after a few seconds; the machine goes down);
@@ -50,6 +51,8 @@ class Chaos(Callback):
         if VICTIM and trainer.global_step == AT:
             if MODE == "kill":
                 lose_the_machine()
+            elif MODE == "die":
+                os.kill(PID, signal.SIGKILL)
             elif MODE == "term":
                 os.kill(LAUNCHER, signal.SIGTERM)
                 time.sleep(60)  # the launcher stops this rank
