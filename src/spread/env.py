@@ -17,10 +17,6 @@ TRACE_DIR = "SPREAD_TRACE_DIR"  # `spread run --trace DIR`: every fit traces a w
 RECOVER = "SPREAD_RECOVER"  # "1": `spread run --recover`: survivors of a lost rank regroup and train on
 JOIN = "SPREAD_JOIN"  # "1": this machine's ranks join a running --recover job (set by spread run)
 REGROUP_TIMEOUT = "SPREAD_REGROUP_TIMEOUT"  # seconds survivors wait for each other at a regroup (default 30)
-LAUNCHER_ID = (
-    "SPREAD_LAUNCHER_ID"  # set by `spread run --recover` on several machines: its machine report's id
-)
-HOST_ID = (
-    "SPREAD_HOST_ID"  # the machine's name as ranks compare it (default: the host name); tests override it
-)
+LAUNCHER_ID = "SPREAD_LAUNCHER_ID"  # `spread run --recover`, several machines: id of its machine report
+HOST_ID = "SPREAD_HOST_ID"  # the machine's name as ranks compare it (default: the host name)
 CHECKPOINT_CRASH_AT = "SPREAD_CHECKPOINT_CRASH_AT"  # chaos tests: die at a named point of a save
