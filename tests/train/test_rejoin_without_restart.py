@@ -3,7 +3,8 @@
 preempted, stopped, killed mid-all-reduce) or a rank dies mid-save; the survivors train on at the
 smaller size without restart; a machine started again joins at a step boundary with the weights,
 optimizer state and data position streamed from a live peer; the job ends with the weights of the
-uninterrupted run, and no process of any machine is left behind."""
+uninterrupted run, and no process of any machine is left behind. The same for ShardedStrategy, whose
+joiner receives its shards of the parameters and optimizer state from the live ranks."""
 
 from __future__ import annotations
 
@@ -62,15 +63,17 @@ class Machines:
         backups: bool = False,
         full: int = 3,
         host_id: str = "",
+        shard: str = "",
     ) -> int:
         """Start a machine of ``nproc`` ranks (``host``: at the rendezvous endpoint); ``host_id``: it
         passes for a host of its own (``SPREAD_HOST_ID``: its ranks' pids cannot be checked by the
-        others); ``full``: the world size at which the survivors stop waiting for a machine to join."""
+        others); ``full``: the world size at which the survivors stop waiting for a machine to join;
+        ``shard``: train with ``ShardedStrategy(shard=...)`` instead of MultiWorkerMirrored."""
         endpoint = f"127.0.0.1:{self.port}"
         conf = f"last_call_timeout=1,join_timeout=120,is_host={int(host)}"
         command = [sys.executable, "-m", "spread.cli.main", "run", "--recover", "-n", str(nproc)]
         command += ["--nnodes", "2:3", "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf]
-        command += [str(SCRIPT), str(full), self.backups if backups else "-"]
+        command += [str(SCRIPT), str(full), self.backups if backups else "-", *([shard] if shard else [])]
         env = dict(self.env, SPREAD_TEST_CHAOS=chaos) if chaos else dict(self.env)
         if host_id:
             env["SPREAD_HOST_ID"] = host_id
@@ -222,3 +225,37 @@ def test_a_loss_on_another_machine_is_known_without_waiting_for_the_regroup_time
     assert "regrouped at world size 2 without restart" in log, log
     print("FIGURES host loss", case, re.findall(r"without restart in [\d.]+s", log))
     _assert_uninterrupted(_results(log), uninterrupted, 2)
+
+
+_UNINTERRUPTED_SHARDED: dict[str, dict] = {}
+
+
+def _uninterrupted_sharded(shard: str) -> dict:
+    if shard not in _UNINTERRUPTED_SHARDED:
+        run = spread_run(SCRIPT, 3, "3", "-", shard)
+        assert run.returncode == 0, run.log
+        results = _results(run.log)
+        assert len(results) == 3 and {r["world_size"] for r in results} == {3}
+        _UNINTERRUPTED_SHARDED[shard] = results[0]
+    return _UNINTERRUPTED_SHARDED[shard]
+
+
+@pytest.mark.parametrize("shard", ["parameters", "gradients"])
+def test_a_lost_machine_comes_back_and_joins_a_running_sharded_job(machines: Machines, shard: str) -> None:
+    """The 1-process machine (rank 2 of 3) is killed; the survivors rebuild its shard from the buddy
+    copy and train on at 2; started again, it joins at a step boundary, every rank cuts the state for
+    3 again (the joiner's part streamed from the live ranks) and the job ends with the weights of the
+    uninterrupted 3-rank sharded run."""
+    expected = _uninterrupted_sharded(shard)
+    first = machines.start(2, host=True, shard=shard)
+    second = machines.start(1, chaos="kill@5", shard=shard)
+    machines.read_until(first, r"regrouped at world size 2 without restart")
+    again = machines.start(1, shard=shard)
+    code, log = machines.finish(first)
+    code_again, log_again = machines.finish(again)
+    assert (code, code_again) == (0, 0), log + log_again
+    assert machines.nodes[second].wait(timeout=30) != 0
+    assert "admitting the machine(s) that wait to join; regrouped at world size 3 without restart" in log
+    assert "restarting" not in log
+    assert len(_results(log_again)) == 1  # the joiner finished the job with the others
+    _assert_uninterrupted(_results(log) + _results(log_again), expected, 3)

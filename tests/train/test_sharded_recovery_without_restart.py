@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from spread.errors import SpreadError
-from spread.strategies.sharded_buddy import check_recoverable_loss
+from spread.strategies.sharded_buddy import (
+    Entry,
+    check_recoverable_loss,
+    entries_from_plain,
+    entries_to_plain,
+)
 from spread.testing.processes import spread_run
 
 SCRIPT = Path(__file__).parent / "scripts" / "recover_sharded_train.py"
@@ -106,3 +111,13 @@ def test_a_loss_is_recoverable_unless_a_shard_and_its_buddy_copy_went_together()
         check_recoverable_loss(4, [0, 3])
     with pytest.raises(SpreadError, match="losing ranks 0 and 1 of 4 together"):
         check_recoverable_loss(4, [1, 0])
+
+
+def test_a_shards_layout_travels_to_a_joiner_as_plain_values_and_an_unknown_dtype_is_refused():
+    entries = [Entry(0, 0, "", torch.float32, 0, 6), Entry(0, 0, "exp_avg", torch.float32, 6, 6)]
+    entries.append(Entry(1, 0, "", torch.bfloat16, 0, 4))
+    plain = entries_to_plain(entries)
+    assert json.loads(json.dumps(plain)) == plain  # JSON: never a pickle on the wire
+    assert entries_from_plain(plain) == entries
+    with pytest.raises(SpreadError, match="unknown dtype 'Tensor'"):
+        entries_from_plain([[0, 0, "", "Tensor", 0, 6]])

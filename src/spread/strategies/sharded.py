@@ -65,13 +65,16 @@ and never gathered; the one-device state for export is ``full_state_dict`` (coll
 
 Under ``spread run --recover`` each rank also keeps a buddy copy of its ring neighbour's shard, so
 the survivors of a lost rank rebuild the state and go on at the smaller world size
-(:mod:`spread.strategies.sharded_buddy`).
+(:mod:`spread.strategies.sharded_buddy`); a machine that comes back (or a new one) joins the running
+job at a step boundary, its shards of the state streamed from the live ranks, and every rank cuts the
+state again for the larger world the same way.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -99,7 +102,14 @@ from spread.strategies.checkpointing import StateLayout
 from spread.strategies.clipping import clip_by_norm, local_norm
 from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, _signature
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
-from spread.strategies.sharded_buddy import BuddyCopy, check_recoverable_loss, reassemble
+from spread.strategies.sharded_buddy import (
+    BuddyCopy,
+    check_recoverable_loss,
+    entries_from_plain,
+    entries_to_plain,
+    pack,
+    reassemble,
+)
 from spread.strategies.sharded_groups import (
     ShardGroups,
     check_shard_group_size,
@@ -210,6 +220,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             sync_batchnorm=sync_batchnorm,
         )
         self._resources.owner = f"ShardedStrategy rank {self.cluster.rank}"
+        if self.awaiting_state:  # joined a running job (--recover: one group): the group it was admitted to
+            group_size = self.collectives.world_size
         try:
             self._groups: ShardGroups = make_shard_groups(
                 self.collectives, self.device, group_size, collective_timeout or default_collective_timeout()
@@ -262,10 +274,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
 
     def _on_new_variables(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
         tensors = [*params, *buffers]
-        signature = [*_signature(tensors), sum(t.is_meta for t in tensors)]
-        self.collectives.check_same(signature, what="the model's parameter shapes and dtypes")
-        real = [t for t in tensors if not t.is_meta]  # meta ones get the chief's values in materialise
-        self.collectives.broadcast_tensors(real, src=0, name="broadcast_initial_weights")
+        if not self.awaiting_state:  # joined a running job: its ranks are training, the values come later
+            signature = [*_signature(tensors), sum(t.is_meta for t in tensors)]
+            self.collectives.check_same(signature, what="the model's parameter shapes and dtypes")
+            real = [t for t in tensors if not t.is_meta]  # meta ones get the chief's values in materialise
+            self.collectives.broadcast_tensors(real, src=0, name="broadcast_initial_weights")
         self._buffers_stale = True
         self._pending.extend(params)
 
@@ -498,7 +511,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._offload is not None:
             self._offload.adopt_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         self._prepared.add(optimizer)
-        if self._buddy is not None and self._blocks:  # a loss before the first step is recoverable too
+        if self._buddy is not None and self._blocks and not self.awaiting_state:
+            # A loss before the first step is recoverable too (a joiner's copy comes at its admission).
             self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
         return optimizer
 
@@ -711,19 +725,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 "(SPREAD_RECOVER=1 in the environment before the strategy): it then keeps a buddy copy "
                 "of its ring neighbour's shard at each step boundary"
             )
-        if self.awaiting_state:
-            raise SpreadError(
-                "a machine cannot join a running ShardedStrategy job yet (spread run --recover grows "
-                "MultiWorkerMirrored jobs only): its survivors continue at the smaller world size"
-            )
-
-    def joiners_waiting(self) -> bool:
-        """Never: joining a running sharded job is not supported yet (see :meth:`check_recoverable`)."""
-        return False
 
     def regroup(self) -> None:
-        """As MultiWorkerMirrored's, after dropping what the broken group left in flight; the shards
-        are rebuilt for the new world by :meth:`broadcast_training_state` (collective)."""
+        """As MultiWorkerMirrored's (after a lost rank, or to admit processes waiting to join), after
+        dropping what the broken group left in flight; the shards are rebuilt for the new world by
+        :meth:`broadcast_training_state` (collective)."""
         self.check_recoverable()
         old_rank = self.collectives.rank
         for block in self._blocks:
@@ -746,14 +752,29 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         """After a regroup: every old rank's shard rebuilt from the survivors' own and the buddy copies
         of the lost ranks' (:func:`~spread.strategies.sharded_buddy.reassemble`), cut again for the
         new world (the survivors are at the same step: checked); buffers from ``src``; then a fresh
-        buddy copy for the new ring."""
+        buddy copy for the new ring. A process that joined the running job (a regroup that admitted
+        it) takes part with no shard of its own: what it needs besides the shards comes from ``src``
+        (:meth:`_join_plan`), the shards from every survivor, and it is cut its part like the others."""
         self.check_recoverable()
-        assert self._buddy is not None and self._regrouped is not None, (
-            "broadcast_training_state follows regroup"
-        )
-        old_rank, old_world, lost = self._regrouped
+        assert self._buddy is not None, "check_recoverable: built under --recover"
+        joined = self.awaiting_state
         if optimizer is not None:
             self.prepare_optimizer(optimizer)
+        admitting = self._rendezvous is not None and any(isinstance(m, str) for m in self._rendezvous.members)
+        if admitting:  # a joiner built its model on its own: every rank checks it is the job's
+            params: list[torch.Tensor] = [p for block in self._blocks for p in block.params]
+            blocks = zlib.crc32(repr([len(block.params) for block in self._blocks]).encode())
+            self.collectives.check_same(
+                [*_signature(params), blocks], what="the model's parameter shapes, dtypes and blocks"
+            )
+        plan = self._join_plan(src, optimizer) if admitting else None
+        old_rank: int | None
+        if joined:
+            assert plan is not None, "a process that joined is on its first group's member list"
+            old_rank, old_world, lost = None, int(plan["old_world"]), [int(r) for r in plan["lost"]]
+        else:
+            assert self._regrouped is not None, "broadcast_training_state follows regroup"
+            old_rank, old_world, lost = self._regrouped
         whole = reassemble(
             self.collectives,
             old_rank,
@@ -763,11 +784,17 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             optimizer,
             self._buddy,
             self.steps_applied,
+            entries_from_plain(plan["entries"]) if joined and plan is not None else (),
         )
         self._regrouped = None
         old_shards = {id(s): (j, i) for j, b in enumerate(self._blocks) for i, s in enumerate(b.shards)}
         kept: dict[tuple[int, int], dict[str, Any]] = {}  # old shard's place -> its optimizer state
-        if optimizer is not None:
+        if optimizer is not None and joined:
+            assert plan is not None
+            self._take_optimizer_settings(optimizer, plan)
+            # Per-element entries are None there: they come from ``whole``, like a survivor's.
+            kept = {(int(j), int(i)): dict(state) for j, i, state in plan["state"]}
+        elif optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if id(p) in old_shards:
@@ -796,12 +823,75 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                     key: self._chunk_state(block, i, key, whole.get((j, i, key), value))
                     for key, value in state.items()
                 }
+        if joined:
+            assert plan is not None
+            self.steps_applied, self.steps_with_buffers = (int(c) for c in plan["steps"])
+            self._follow_forward_order([int(j) for j in plan["forward_order"]], bool(plan["prefetching"]))
+            self.awaiting_state = False
         self._grad_scale = 1.0 / self.collectives.world_size
         with torch.no_grad():  # averaged after every step: equal, unless the lost step's forward moved them
             self.collectives.broadcast_tensors(
                 list(self._managed_buffers.values()), src=src, name="recover_buffers"
             )
         self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
+
+    def _join_plan(self, src: int, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Collective (a broadcast from ``src``, a survivor): what a process joining the running job
+        needs besides the shards, as plain values and tensors (never a pickle): the old world and its
+        lost ranks, the layout of a packed shard, each shard's optimizer state but its per-element
+        tensors (those are in the shards), the optimizer's hyperparameters (a schedule moved the
+        learning rate), the step counts, and the order of the blocks in forward (which prefetches
+        follow: every rank must issue the same collectives in the same order)."""
+        plan: dict[str, Any] | None = None
+        if self.rank == src:
+            assert self._regrouped is not None, "the source of the state is a survivor"
+            _, old_world, lost = self._regrouped
+            entries, _ = pack(self._blocks, optimizer)
+            per_element = {(e.block, e.index, e.key) for e in entries}
+            state: list[list[Any]] = []
+            groups: list[dict[str, Any]] = []
+            if optimizer is not None:
+                places = {id(s): (j, i) for j, b in enumerate(self._blocks) for i, s in enumerate(b.shards)}
+                for group in optimizer.param_groups:
+                    groups.append({k: v for k, v in group.items() if k != "params"})
+                    for p in group["params"]:
+                        if id(p) in places:
+                            j, i = places[id(p)]
+                            values = optimizer.state.get(p, {})
+                            plain = {k: None if (j, i, k) in per_element else v for k, v in values.items()}
+                            state.append([j, i, plain])
+            blocks = {id(b): j for j, b in enumerate(self._blocks)}
+            plan = {
+                "old_world": old_world,
+                "lost": list(lost),
+                "entries": entries_to_plain(entries),
+                "state": state,
+                "groups": groups,
+                "steps": [self.steps_applied, self.steps_with_buffers],
+                "forward_order": [blocks[id(b)] for b in self._forward_order],
+                "prefetching": self._next_in_forward is not None,
+            }
+        return self.broadcast_object(plan, src)
+
+    def _take_optimizer_settings(self, optimizer: torch.optim.Optimizer, plan: Mapping[str, Any]) -> None:
+        """A joiner's optimizer takes the running job's hyperparameters (each group's, but its params)."""
+        groups = plan["groups"]
+        if len(groups) != len(optimizer.param_groups):
+            raise SpreadError(
+                f"rank {self.rank}: this process's optimizer has {len(optimizer.param_groups)} parameter "
+                f"groups, the running job's has {len(groups)}: a process that joins must build the same "
+                "optimizer as the job's ranks"
+            )
+        for group, settings in zip(optimizer.param_groups, groups, strict=True):
+            group.update(settings)
+
+    def _follow_forward_order(self, order: list[int], prefetching: bool) -> None:
+        """A joiner takes the order its peers recorded blocks in at their first forward, and prefetches
+        as they do from its first step."""
+        self._forward_order = [self._blocks[j] for j in order]
+        if prefetching:
+            self._next_in_forward = {id(a): b for a, b in pairwise(self._forward_order)}
+            self._next_in_backward = {id(b): a for a, b in pairwise(self._forward_order)}
 
     def close(self) -> None:
         self._pre_step_hook.remove()

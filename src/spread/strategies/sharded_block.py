@@ -114,9 +114,10 @@ class ParameterBlock:
             p.grad = None
 
     def reshard(self, collectives: Collectives, values: list[torch.Tensor]) -> None:
-        """Cut the block again over ``collectives`` (a regrouped, smaller world) from the parameters'
-        whole one-device ``values``: new shards (new shard parameters: the caller swaps them into the
-        optimizer), the model's parameters resident with ``values`` until released. Nothing in flight."""
+        """Cut the block again over ``collectives`` (a regrouped world, smaller or larger) from the
+        parameters' whole one-device ``values``: new shards (new shard parameters: the caller swaps
+        them into the optimizer), the model's parameters resident with ``values`` until released.
+        Nothing in flight."""
         with torch.no_grad():
             for p, value in zip(self.params, values, strict=True):
                 p.grad = None

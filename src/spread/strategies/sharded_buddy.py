@@ -8,12 +8,18 @@ its parameter chunks and per-element optimizer state to rank ``r - 1`` and recei
 rebuild every old rank's shard from their own and from the copies of the lost ranks' shards
 (:func:`reassemble`), and the strategy cuts it again for the smaller world. Two ring neighbours lost
 together took the only copies of one shard: refused by name (:func:`check_recoverable_loss`).
+
+A process that joins the running job (a machine that came back) takes part in the same collective
+with nothing of its own (zeros, the layout of a shard told by a survivor: :func:`entries_to_plain`),
+so it receives every old rank's shard from the live ranks, and the strategy cuts the state for the
+larger world the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,6 +91,32 @@ class BuddyCopy:
         self.entries, self.flats, self.step = entries, received, step
 
 
+def entries_to_plain(entries: Sequence[Entry]) -> list[list[Any]]:
+    """A shard's layout as plain values (JSON-safe, for a process that joins: it holds no shard yet)."""
+    return [
+        [e.block, e.index, e.key, str(e.dtype).removeprefix("torch."), e.offset, e.numel] for e in entries
+    ]
+
+
+def entries_from_plain(rows: Sequence[Sequence[Any]]) -> list[Entry]:
+    """:func:`entries_to_plain` read back; a dtype torch does not name is refused."""
+    entries = []
+    for block, index, key, dtype_name, offset, numel in rows:
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise SpreadError(f"ShardedStrategy: a peer described a shard of unknown dtype {dtype_name!r}")
+        entries.append(Entry(int(block), int(index), str(key), dtype, int(offset), int(numel)))
+    return entries
+
+
+def _zeros_of(entries: Sequence[Entry], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
+    """Flat zeros the size of a packed shard of this layout, per dtype in :func:`pack`'s order."""
+    sizes: dict[torch.dtype, int] = {}
+    for e in entries:
+        sizes[e.dtype] = max(sizes.get(e.dtype, 0), e.offset + e.numel)
+    return {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+
+
 def check_recoverable_loss(old_world: int, lost: Sequence[int]) -> None:
     """Refuse a loss that took both copies of a shard: rank ``l``'s is kept by rank ``l - 1``."""
     gone = set(lost)
@@ -101,22 +133,28 @@ def check_recoverable_loss(old_world: int, lost: Sequence[int]) -> None:
 
 def reassemble(
     collectives: Collectives,
-    old_rank: int,
+    old_rank: int | None,
     old_world: int,
     lost: Sequence[int],
     blocks: Sequence[ParameterBlock],
     optimizer: torch.optim.Optimizer | None,
     buddy: BuddyCopy,
     steps_applied: int,
+    joiner_entries: Sequence[Entry] = (),
 ) -> dict[tuple[int, int, str], torch.Tensor]:
-    """Collective over the survivors' new group: every old rank's shard, from its owner or (a lost
-    rank's) from the buddy copy its left neighbour kept, as the whole one-device tensors
-    ``{(block, index, key): tensor}`` (``key`` empty: the parameter). Refused, naming why, when the
-    survivors' shards and the kept copy are not of the same optimizer step."""
-    holds = (old_rank + 1) % old_world in lost  # this rank kept a lost rank's shard
-    progress = torch.tensor([[steps_applied, buddy.step if holds else steps_applied]], dtype=torch.int64)
+    """Collective over the new group: every old rank's shard, from its owner or (a lost rank's) from
+    the buddy copy its left neighbour kept, as the whole one-device tensors ``{(block, index, key):
+    tensor}`` (``key`` empty: the parameter). A process that joined (``old_rank`` None) holds no shard:
+    it adds zeros laid out as ``joiner_entries`` (a survivor's :func:`pack` layout) and receives the
+    rest. Refused, naming why, when the survivors' shards and the kept copy are not of the same
+    optimizer step."""
+    holds = old_rank is not None and (old_rank + 1) % old_world in lost  # it kept a lost rank's shard
+    has_shard = int(old_rank is not None)
+    kept_step = buddy.step if holds else steps_applied
+    progress = torch.tensor([[steps_applied, kept_step, has_shard]], dtype=torch.int64)
     gathered = collectives.all_gather(progress.to(collectives.device), name="sharded.recover_versions")
-    versions = {int(v) for row in gathered for v in row.reshape(-1).tolist()}
+    reported = [row.tolist() for part in gathered for row in part.reshape(-1, 3)]
+    versions = {int(v) for row in reported if row[2] for v in row[:2]}
     if len(versions) != 1:
         raise SpreadError(
             "ShardedStrategy cannot recover without restart: the survivors' shards and the buddy copy "
@@ -124,14 +162,18 @@ def reassemble(
             "loss came during the step boundary's buddy exchange. The job fails as without --recover "
             "(--max-restarts with BackupAndRestore restarts it from the last backup)"
         )
-    entries, mine = pack(blocks, optimizer)
+    if old_rank is None:
+        entries, mine = list(joiner_entries), _zeros_of(joiner_entries, collectives.device)
+    else:
+        entries, mine = pack(blocks, optimizer)
     if holds and entries != buddy.entries:
         raise SpreadError("ShardedStrategy: the buddy copy's layout differs from this rank's shard")
     tables: dict[torch.dtype, torch.Tensor] = {}
     for dtype, flat in mine.items():
         table = flat.new_zeros(old_world, flat.numel())
-        table[old_rank] = flat
-        if holds:
+        if old_rank is not None:
+            table[old_rank] = flat
+        if holds and old_rank is not None:
             table[(old_rank + 1) % old_world] = buddy.flats[dtype]
         # Each row is written by exactly one survivor (zeros elsewhere): the sum is the row, exact.
         tables[dtype] = collectives.all_reduce(table, name="sharded.recover_shards")

@@ -49,6 +49,12 @@ def materialise(
     targets = _meta_tensors(strategy, modules)
     if not targets:  # the same on every rank: the scope's signature check counts meta tensors
         return
+    if strategy.awaiting_state:
+        # Joined a running job (spread run --recover): the values come from the live ranks at its
+        # admission (broadcast_training_state); they are training, so no collective here.
+        for t in targets:
+            _take(strategy, t, torch.zeros(t.shape, dtype=t.dtype, device=strategy.device))
+        return
     recording = recorder.recording if recorder is not None else None
     if recording is not None and recording.real_draws:
         drawn = ", ".join(sorted(set(recording.real_draws)))

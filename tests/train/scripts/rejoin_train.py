@@ -1,8 +1,8 @@
-"""A MultiWorkerMirrored fit on several "machines" (separate ``spread run --recover --nnodes`` calls)
-for recovery without restart and machines that join back. ``FULL`` is the world size when every
-machine is in. ``SPREAD_TEST_CHAOS`` (``MODE@STEP``, only in the environment of the machine to lose)
-only in the environment of the machines to hurt) makes the machine's last rank hurt itself or its
-machine before optimizer step ``STEP``:
+"""A MultiWorkerMirrored fit (or, with a third argument, a ShardedStrategy fit at that ``shard=`` stage)
+on several "machines" (separate ``spread run --recover --nnodes`` calls) for recovery without restart
+and machines that join back. ``FULL`` is the world size when every machine is in.
+``SPREAD_TEST_CHAOS`` (``MODE@STEP``, only in the environment of the machine to hurt) makes the
+machine's last rank hurt itself or its machine before optimizer step ``STEP``:
 
 * ``kill``: SIGKILL of the machine's launcher (its agent and ranks die with it) and of the rank;
 * ``die``: SIGKILL of the rank alone (its launcher lives on and reports the exit);
@@ -14,7 +14,8 @@ machine before optimizer step ``STEP``:
 
 While the job is smaller than ``FULL`` the survivors wait at each step for a machine to ask to join
 (at most ``WAIT`` s), so that the rejoin happens at a known point whatever the machine's speed. Every
-rank that finishes prints ``RESULT <json>``; every rank prints ``PIDS`` with its own and its launcher's."""
+rank that finishes prints ``RESULT <json>`` (the one-device weights); every rank prints ``PIDS`` with its
+own and its launcher's."""
 
 import json
 import os
@@ -29,6 +30,8 @@ import spread
 from spread.train.callbacks import BackupAndRestore, Callback
 
 FULL, BACKUPS = int(sys.argv[1]), sys.argv[2]
+HIDDEN = int(os.environ.get("SPREAD_TEST_HIDDEN", "16"))  # larger: to time the state streamed at a join
+SHARD = sys.argv[3] if len(sys.argv) > 3 else None  # None: MultiWorkerMirrored
 WAIT = 90.0
 CHAOS = os.environ.get("SPREAD_TEST_CHAOS", "")
 MODE, AT = CHAOS.split("@") if CHAOS else ("", "-1")
@@ -68,12 +71,12 @@ class Chaos(Callback):
             WAIT -= time.monotonic() - started  # in all, not per step
 
 
-strategy = spread.MultiWorkerMirroredStrategy()
+strategy = spread.MultiWorkerMirroredStrategy() if SHARD is None else spread.ShardedStrategy(shard=SHARD)
 g = torch.Generator().manual_seed(1)
 x, y = torch.randn(240, 8, generator=g), torch.randint(0, 3, (240,), generator=g)
 with strategy.scope():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(8, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 callbacks: list[Callback] = [Chaos()]
 if BACKUPS != "-":
@@ -101,7 +104,7 @@ result = {
     "pid": PID,
     "world_size": strategy.num_replicas_in_sync,
     "global_step": trainer.global_step,
-    "weights": {k: v.tolist() for k, v in model.state_dict().items()},
+    "weights": {k: v.tolist() for k, v in strategy.full_state_dict(model).items()},
 }
 print("RESULT " + json.dumps(result), flush=True)
 strategy.close()
