@@ -269,9 +269,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="recovery without restart: when a rank dies, is preempted or stays stopped, the others "
         "regroup at the next step boundary and train on at the smaller world size, with the same global "
-        "batch (MultiWorkerMirroredStrategy under Trainer.fit; a stopped rank is killed first). The job "
-        "exits 0 when the survivors finish. With --ps: a lost parameter server is started again at its "
-        "address and restored from the chief's last backup while the training tasks wait",
+        "batch (MultiWorkerMirroredStrategy and ShardedStrategy under Trainer.fit; a stopped rank is killed "
+        "first); with --nnodes MIN:MAX a machine that comes back joins the running job at a step boundary. "
+        "The job exits 0 when the survivors finish. With --ps: a lost parameter server is started again at "
+        "its address and restored from the chief's last backup while the training tasks wait",
     )
     add(
         "--kill-grace",

@@ -47,6 +47,7 @@ def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException | N
     old_rank, old_world = strategy.rank, strategy.num_replicas_in_sync
     started = time.perf_counter()
     strategy.regroup()
+    grouped = time.perf_counter()
     agreed = share_state(trainer, position)
     if strategy.is_chief:
         why = (
@@ -56,7 +57,8 @@ def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException | N
         )
         print(
             f"spread: rank {old_rank} of {old_world}: {why}; regrouped at world size "
-            f"{strategy.num_replicas_in_sync} without restart in {time.perf_counter() - started:.2f}s; "
+            f"{strategy.num_replicas_in_sync} without restart in {time.perf_counter() - started:.2f}s "
+            f"(new group {grouped - started:.2f}s, state {time.perf_counter() - grouped:.2f}s); "
             f"continuing at epoch {agreed['epoch'] + 1}, batch {agreed['batch']} (after "
             f"{agreed['global_step']} optimizer steps)",
             file=sys.stderr,
