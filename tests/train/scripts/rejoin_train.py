@@ -71,7 +71,11 @@ class Chaos(Callback):
             WAIT -= time.monotonic() - started  # in all, not per step
 
 
-strategy = spread.MultiWorkerMirroredStrategy() if SHARD is None else spread.ShardedStrategy(shard=SHARD)
+if SHARD is None:
+    strategy = spread.MultiWorkerMirroredStrategy()
+else:  # at "parameters" each Linear is a unit: several blocks, gathered ahead in the order forward used them
+    units = (nn.Linear,) if SHARD == "parameters" else "model"
+    strategy = spread.ShardedStrategy(shard=SHARD, units=units)
 g = torch.Generator().manual_seed(1)
 x, y = torch.randn(240, 8, generator=g), torch.randint(0, 3, (240,), generator=g)
 with strategy.scope():
