@@ -116,6 +116,24 @@ def test_kubeflow_elastic_variables_alone_configure_an_elastic_job(monkeypatch: 
     assert main(["run", "--master-addr", "elsewhere", "t.py"]) == 2
 
 
+def test_a_rendezvous_backend_spread_does_not_have_from_the_environment_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse checks --rdzv-backend's choices on the command line only, not in its default (taken
+    from PET_RDZV_BACKEND): an etcd rendezvous must not silently become a c10d one at an etcd address."""
+    import spread.cluster.launcher as launcher
+
+    for name, value in {
+        "PET_NNODES": "1:2",
+        "PET_RDZV_BACKEND": "etcd-v2",
+        "PET_RDZV_ENDPOINT": "etcd:2379",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher, "launch", lambda config: pytest.fail("launched"))
+    assert main(["run", "t.py"]) == 2
+    assert "PET_RDZV_BACKEND=etcd-v2 (from the environment)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

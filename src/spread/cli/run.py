@@ -407,6 +407,11 @@ def _rendezvous_backend(args: argparse.Namespace) -> str:
     low, high = args.nnodes
     if high == 1:
         return "static"  # one machine: nothing to number
+    if args.rdzv_backend not in (None, "static", "c10d"):  # only PET_RDZV_BACKEND gets past argparse
+        raise ValueError(
+            f"PET_RDZV_BACKEND={args.rdzv_backend} (from the environment): spread run's rendezvous is "
+            "torch's c10d (or static, numbered by --node-rank); set PET_RDZV_BACKEND=c10d"
+        )
     if args.rdzv_backend == "static":
         if low != high:
             raise ValueError(f"--nnodes {low}:{high} (an elastic range) needs --rdzv-backend c10d")
