@@ -547,7 +547,10 @@ def test_servers_still_running_when_training_ends_are_stopped_and_the_job_succee
 
 
 @pytest.mark.processes
-def test_a_failing_worker_still_fails_a_parameter_server_job(tmp_path: Path) -> None:
+def test_a_failing_worker_still_fails_a_parameter_server_job(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The note names the task ("worker 0", as its logs and TF_CONFIG do), not its launch order."""
     script = _script(
         tmp_path,
         """
@@ -558,6 +561,7 @@ def test_a_failing_worker_still_fails_a_parameter_server_job(tmp_path: Path) -> 
     """,
     )
     assert launch(LaunchConfig(entrypoint=str(script), workers=1, ps=1, kill_grace=1)) == 4
+    assert "spread run: worker 0 exited with code 4; stopped the other" in capfd.readouterr().err
 
 
 @pytest.mark.processes

@@ -282,8 +282,9 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _describe(rank: int, returncode: int) -> str:
-    text = f"rank {rank} exited with code {exit_code(returncode)}"
+def _describe(who: str, returncode: int) -> str:
+    """``"rank 1 exited with code 137 (killed by SIGKILL)"``; ``who`` names the process."""
+    text = f"{who} exited with code {exit_code(returncode)}"
     if returncode < 0:
         try:
             text += f" (killed by {signal.Signals(-returncode).name})"
@@ -473,6 +474,11 @@ class _Failure:
     returncode: int  # Popen's: -S when killed by signal S
     stopped_for: float | None = None  # seconds it stayed stopped, when that is why it failed
     regroup: bool = False  # no failure: machines wait to join (c10d), the ranks stop for a new round
+    task: str = ""  # a parameter-server job's name of the process ("worker 1", "ps 0"); else its rank
+
+    @property
+    def who(self) -> str:
+        return self.task or f"rank {self.rank}"
 
     @property
     def code(self) -> int:
@@ -482,8 +488,8 @@ class _Failure:
         if self.regroup:
             return "machines wait to join the job"
         if self.stopped_for is not None:
-            return f"rank {self.rank} stayed stopped (SIGSTOP) for {self.stopped_for:.1f}s"
-        return _describe(self.rank, self.returncode)
+            return f"{self.who} stayed stopped (SIGSTOP) for {self.stopped_for:.1f}s"
+        return _describe(self.who, self.returncode)
 
 
 @dataclass(frozen=True)
@@ -531,6 +537,17 @@ class _Attempt:
 
     def rank(self, local_rank: int) -> int:
         return self.rank_offset + local_rank
+
+    def task(self, local_rank: int) -> str:
+        """How the launcher's notes name a process: its task in a parameter-server job ("worker 1"),
+        whose scripts and logs know it by that name, not by its launch order; else ""."""
+        if not self.config.ps:
+            return ""
+        role, index = self.config.ps_tasks()[local_rank]
+        return f"{role} {index}"
+
+    def _failure(self, local_rank: int, returncode: int, **how: Any) -> _Failure:
+        return _Failure(self.rank(local_rank), returncode, task=self.task(local_rank), **how)
 
     def _is_service(self, local_rank: int) -> bool:
         return bool(self.config.ps) and self.config.ps_tasks()[local_rank][0] in _SERVICE_ROLES
@@ -776,7 +793,7 @@ class _Attempt:
                 continue
             since = self.stopped_since.setdefault(local_rank, now)
             if now - since >= _STOPPED_LIMIT:
-                return _Failure(self.rank(local_rank), -signal.SIGSTOP, stopped_for=now - since)
+                return self._failure(local_rank, -signal.SIGSTOP, stopped_for=now - since)
         return None
 
     def _wait(self) -> _Failure | None:
@@ -795,10 +812,10 @@ class _Attempt:
                 if self.returncodes[local_rank] != 0:
                     if self._lost_server(local_rank):
                         if not self._replace_server(local_rank):
-                            return _Failure(self.rank(local_rank), self.returncodes[local_rank])
+                            return self._failure(local_rank, self.returncodes[local_rank])
                         continue
                     if not self.config.recover or self.config.ps:
-                        return _Failure(self.rank(local_rank), self.returncodes[local_rank])
+                        return self._failure(local_rank, self.returncodes[local_rank])
                     self._lose(local_rank)
             if (stopped := self._stopped_rank()) is not None:
                 if not self.config.recover or (
@@ -816,7 +833,7 @@ class _Attempt:
                 return None
         if self.lost and not any(code == 0 for code in self.returncodes.values()):
             first = min(self.lost)  # every rank here was lost: nothing of the job survived on this node
-            return _Failure(self.rank(first), self.lost[first])
+            return self._failure(first, self.lost[first])
         return None
 
     def _lost_server(self, local_rank: int) -> bool:
@@ -830,7 +847,7 @@ class _Attempt:
         assert self.addresses is not None and self.tf_config is not None
         code, index = self.returncodes[local_rank], self.config.ps_tasks()[local_rank][1]
         times = self.replacements.get(local_rank, 0)
-        lost = f"{_describe(self.rank(local_rank), code)}: parameter server {index} was lost"
+        lost = f"{_describe(self.task(local_rank), code)}: parameter server {index} was lost"
         if times >= _SERVER_REPLACEMENTS or self.trap.signum is not None:
             self.relay.note(f"{lost}; it was started again {times} time(s) already: giving up")
             return False
@@ -892,7 +909,7 @@ class _Attempt:
         self.stopped_since.pop(local_rank, None)
         left = self.world_size - len(self.lost)
         running = len(self.procs) - len(self.returncodes)
-        lost = f"{_describe(self.rank(local_rank), code)}: rank {self.rank(local_rank)} was lost"
+        lost = f"{_describe(f'rank {self.rank(local_rank)}', code)}: rank {self.rank(local_rank)} was lost"
         if running:
             lost += f"; --recover: the job continues without it at world size {left}"
         self.relay.note(lost)
