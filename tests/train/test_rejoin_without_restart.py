@@ -161,15 +161,20 @@ CHAOS = {
 }
 
 
+@pytest.mark.parametrize("shard", ["", "parameters"], ids=["mirrored", "sharded"])
 @pytest.mark.parametrize("case", sorted(CHAOS))
 def test_chaos_then_a_machine_joins_and_the_job_ends_with_the_uninterrupted_weights(
-    machines: Machines, uninterrupted: dict, case: str
+    machines: Machines, request: pytest.FixtureRequest, case: str, shard: str
 ) -> None:
+    """Each chaos case, for a MultiWorkerMirrored job and for a ``ShardedStrategy(shard="parameters")``
+    job with sharded backups (the survivors rebuild the lost shard from its buddy copy)."""
     mode, said = CHAOS[case]
-    first = machines.start(2, host=True, chaos=f"{mode}@5" if mode == "save" else "", backups=True)
-    second = machines.start(1, chaos=f"{mode}@5", backups=True)
+    uninterrupted = _uninterrupted_sharded(shard) if shard else request.getfixturevalue("uninterrupted")
+    chief_chaos = f"{mode}@5" if mode == "save" else ""
+    first = machines.start(2, host=True, chaos=chief_chaos, backups=True, shard=shard)
+    second = machines.start(1, chaos=f"{mode}@5", backups=True, shard=shard)
     machines.read_until(first, r"regrouped at world size 2 without restart")
-    again = machines.start(1, backups=True)
+    again = machines.start(1, backups=True, shard=shard)
     code, log = machines.finish(first)
     code_again, log_again = machines.finish(again)
     code_second, log_second = machines.finish(second)
@@ -259,29 +264,3 @@ def test_a_lost_machine_comes_back_and_joins_a_running_sharded_job(machines: Mac
     assert "restarting" not in log
     assert len(_results(log_again)) == 1  # the joiner finished the job with the others
     _assert_uninterrupted(_results(log) + _results(log_again), expected, 3)
-
-
-@pytest.mark.parametrize("case", sorted(CHAOS))
-def test_chaos_in_a_sharded_job_then_a_machine_joins_and_the_job_ends_with_the_uninterrupted_weights(
-    machines: Machines, case: str
-) -> None:
-    """The chaos cases above for a ``ShardedStrategy(shard="parameters")`` job with sharded backups:
-    the survivors rebuild the lost shard from its buddy copy (or, when the chief died mid-save, the
-    chief's), the newcomer joins, and the weights end as in the uninterrupted sharded run."""
-    mode, said = CHAOS[case]
-    expected = _uninterrupted_sharded("parameters")
-    chief_chaos = f"{mode}@5" if mode == "save" else ""
-    first = machines.start(2, host=True, chaos=chief_chaos, backups=True, shard="parameters")
-    second = machines.start(1, chaos=f"{mode}@5", backups=True, shard="parameters")
-    machines.read_until(first, r"regrouped at world size 2 without restart")
-    again = machines.start(1, backups=True, shard="parameters")
-    code, log = machines.finish(first)
-    code_again, log_again = machines.finish(again)
-    code_second, log_second = machines.finish(second)
-    assert (code, code_again) == (0, 0), log + log_again
-    assert "admitting the machine(s) that wait to join; regrouped at world size 3 without restart" in log
-    if mode != "save":
-        assert code_second != 0
-    if said:
-        assert said in log + log_second, log + log_second
-    _assert_uninterrupted(_results(log) + _results(log_again) + _results(log_second), expected, 3)
