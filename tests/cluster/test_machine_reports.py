@@ -181,6 +181,7 @@ def test_the_host_identity_can_be_overridden(monkeypatch: pytest.MonkeyPatch) ->
     assert len({here, other, host_digest()}) == 3
 
 
+@pytest.mark.processes
 def test_the_reporter_module_runs_without_a_store_and_ends_with_its_stdin() -> None:
     """A store that cannot be reached is never an error: the reporter keeps trying until closed."""
     settings = {"addr": "127.0.0.1", "port": 1, "attempt": 0, "launcher": 1, "beat_every": 0.05}
