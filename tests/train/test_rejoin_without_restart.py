@@ -32,13 +32,24 @@ def _results(log: str) -> list[dict]:
     return [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line]
 
 
+_UNINTERRUPTED: dict[str, dict] = {}
+
+
+def _uninterrupted_run(shard: str = "") -> dict:
+    """Rank 0's result of the uninterrupted 3-rank run (``shard``: of that ShardedStrategy stage; "":
+    MultiWorkerMirrored), run once per module."""
+    if shard not in _UNINTERRUPTED:
+        run = spread_run(SCRIPT, 3, "3", "-", *([shard] if shard else []))
+        assert run.returncode == 0, run.log
+        results = _results(run.log)
+        assert len(results) == 3 and {r["world_size"] for r in results} == {3}
+        _UNINTERRUPTED[shard] = results[0]
+    return _UNINTERRUPTED[shard]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted() -> dict:
-    run = spread_run(SCRIPT, 3, "3", "-")
-    assert run.returncode == 0, run.log
-    results = _results(run.log)
-    assert len(results) == 3 and {r["world_size"] for r in results} == {3}
-    return results[0]
+    return _uninterrupted_run()
 
 
 class Machines:
@@ -164,12 +175,12 @@ CHAOS = {
 @pytest.mark.parametrize("shard", ["", "parameters"], ids=["mirrored", "sharded"])
 @pytest.mark.parametrize("case", sorted(CHAOS))
 def test_chaos_then_a_machine_joins_and_the_job_ends_with_the_uninterrupted_weights(
-    machines: Machines, request: pytest.FixtureRequest, case: str, shard: str
+    machines: Machines, case: str, shard: str
 ) -> None:
     """Each chaos case, for a MultiWorkerMirrored job and for a ``ShardedStrategy(shard="parameters")``
     job with sharded backups (the survivors rebuild the lost shard from its buddy copy)."""
     mode, said = CHAOS[case]
-    uninterrupted = _uninterrupted_sharded(shard) if shard else request.getfixturevalue("uninterrupted")
+    uninterrupted = _uninterrupted_run(shard)
     chief_chaos = f"{mode}@5" if mode == "save" else ""
     first = machines.start(2, host=True, chaos=chief_chaos, backups=True, shard=shard)
     second = machines.start(1, chaos=f"{mode}@5", backups=True, shard=shard)
@@ -232,26 +243,13 @@ def test_a_loss_on_another_machine_is_known_without_waiting_for_the_regroup_time
     _assert_uninterrupted(_results(log), uninterrupted, 2)
 
 
-_UNINTERRUPTED_SHARDED: dict[str, dict] = {}
-
-
-def _uninterrupted_sharded(shard: str) -> dict:
-    if shard not in _UNINTERRUPTED_SHARDED:
-        run = spread_run(SCRIPT, 3, "3", "-", shard)
-        assert run.returncode == 0, run.log
-        results = _results(run.log)
-        assert len(results) == 3 and {r["world_size"] for r in results} == {3}
-        _UNINTERRUPTED_SHARDED[shard] = results[0]
-    return _UNINTERRUPTED_SHARDED[shard]
-
-
 @pytest.mark.parametrize("shard", ["parameters", "gradients"])
 def test_a_lost_machine_comes_back_and_joins_a_running_sharded_job(machines: Machines, shard: str) -> None:
     """The 1-process machine (rank 2 of 3) is killed; the survivors rebuild its shard from the buddy
     copy and train on at 2; started again, it joins at a step boundary, every rank cuts the state for
     3 again (the joiner's part streamed from the live ranks) and the job ends with the weights of the
     uninterrupted 3-rank sharded run."""
-    expected = _uninterrupted_sharded(shard)
+    expected = _uninterrupted_run(shard)
     first = machines.start(2, host=True, shard=shard)
     second = machines.start(1, chaos="kill@5", shard=shard)
     machines.read_until(first, r"regrouped at world size 2 without restart")

@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import IO, Any
 
@@ -83,16 +84,16 @@ def serve(settings: dict[str, Any], token: str, lines: IO[str]) -> None:
         try:
             event = events.get(timeout=every)
         except queue.Empty:
-            report = MachineReport(report.beat + 1, report.exited, report.leaving)
+            report = replace(report, beat=report.beat + 1)
             continue
         if event is None:
             store.retry_at = 0.0  # a last try for what the store has not accepted yet
             store.write(report, retry_every=every)
             return
         if "exited" in event:
-            report = MachineReport(report.beat + 1, report.exited | {int(event["exited"])}, report.leaving)
+            report = replace(report, beat=report.beat + 1, exited=report.exited | {int(event["exited"])})
         if event.get("leaving"):
-            report = MachineReport(report.beat + 1, report.exited, True)
+            report = replace(report, beat=report.beat + 1, leaving=True)
 
 
 def main(argv: list[str]) -> int:

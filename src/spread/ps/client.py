@@ -88,32 +88,33 @@ class PSClient:
         must replay its steps to it first (:mod:`spread.ps.in_place`)."""
         if len(calls) == 1:
             ((server, fn),) = calls.items()
-            try:
-                return {server: fn(self.clients[server])}
-            except ParameterServerError as exc:
-                exc.server = server
-                raise
-        futures = {s: self._pool.submit(fn, self.clients[s]) for s, fn in calls.items()}
+            return {server: self._call_server(server, fn)}
+        futures = {s: self._pool.submit(self._call_server, s, fn) for s, fn in calls.items()}
         if fail_fast:
             pending = set(futures.values())
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for server in sorted(s for s, f in futures.items() if f in finished):
-                    failure = futures[server].exception()
-                    if isinstance(failure, ParameterServerError):
-                        failure.server = server
+                    if isinstance(failure := futures[server].exception(), ParameterServerError):
                         raise failure
         results, first_error = {}, None
         for server in sorted(futures):
             try:
                 results[server] = futures[server].result()
             except BaseException as exc:
-                if isinstance(exc, ParameterServerError):
-                    exc.server = server
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error
         return results
+
+    def _call_server(self, server: int, fn: Callable[[RpcClient], Message]) -> Message:
+        """``fn`` on server ``server``'s client; its :class:`ParameterServerError` names the server's
+        index (``server``), which the restore in place waits for."""
+        try:
+            return fn(self.clients[server])
+        except ParameterServerError as exc:
+            exc.server = server
+            raise
 
     def call(
         self,
