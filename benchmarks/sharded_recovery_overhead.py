@@ -1,6 +1,7 @@
 """What ShardedStrategy's buddy copy costs per step under ``spread run --recover``: after every
 optimizer step each rank sends its shard (parameter chunks and Adam's moments) to its ring neighbour
-and keeps the other neighbour's (:mod:`spread.strategies.sharded_buddy`), against the same fit
+and keeps the other neighbour's, and before it packs its own shard as a rollback point
+(:mod:`spread.strategies.sharded_buddy`; the Trainer keeps its loop state), against the same fit
 without it.
 
     python benchmarks/sharded_recovery_overhead.py [--rounds 6] [--shard parameters]
@@ -8,8 +9,8 @@ without it.
 ShardedStrategy, 2 processes x 1 thread, ``Trainer.fit`` with Adam, on a small MLP (a step of about
 a millisecond, where a fixed cost shows most) and on W1 (5.8 M parameters: a 35 MB shard of
 parameters and moments sent per step per rank). The copy is switched per round on the one strategy
-(what ``SPREAD_RECOVER=1`` switches on when the strategy is built), so both settings share every
-process; each round runs both, order alternating; ratios paired by round, median.
+with ``SPREAD_RECOVER`` for the Trainer (what ``spread run --recover`` switches on), so both settings
+share every process; each round runs both, order alternating; ratios paired by round, median.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads
 
 import spread
+from spread import env
 from spread.strategies.sharded_buddy import BuddyCopy
 from spread.testing import run_ranks
 
@@ -59,6 +61,10 @@ def _job(rounds: int, shard: str) -> dict[str, list[float]]:
             for r in range(rounds):
                 for copy in (True, False) if r % 2 == 0 else (False, True):
                     strategy._buddy = BuddyCopy() if copy else None
+                    if copy:  # the Trainer's side of --recover too: it keeps its loop state per step
+                        os.environ[env.RECOVER] = "1"
+                    else:
+                        os.environ.pop(env.RECOVER, None)
                     strategy.collectives.barrier()
                     start = time.perf_counter()
                     trainer.fit(data, epochs=2, global_batch_size=global_batch, verbose=0)

@@ -52,6 +52,25 @@ def test_survivors_of_a_lost_rank_finish_with_the_uninterrupted_weights(uninterr
             )
 
 
+@pytest.mark.processes
+def test_a_rank_lost_while_its_peers_validate_leaves_them_to_end_the_epoch_again(uninterrupted):
+    """Validation's collectives come before any callback sees the epoch's end: the survivors regroup,
+    end the epoch again at the smaller world (validating on it) and train on."""
+    run = spread_run(SCRIPT, 3, "2", "10", "validation", flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert "regrouped at world size 2 without restart" in run.log
+    assert "continuing at epoch 1, batch 10 (after 10 optimizer steps)" in run.log  # the epoch's end
+    results = _results(run.log)
+    assert sorted(r["start_rank"] for r in results) == [0, 1], run.log
+    for result in results:
+        assert len(result["val_loss"]) == 2 and len(result["loss"]) == 2  # each epoch ended once
+        assert result["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-5)
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(
+                torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
+            )
+
+
 @pytest.mark.parametrize("name", ["PipelineStrategy"])
 def test_strategies_that_cannot_regroup_are_refused_by_name(name):
     import spread

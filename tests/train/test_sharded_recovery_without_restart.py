@@ -17,6 +17,7 @@ import torch
 from spread.errors import SpreadError
 from spread.strategies.sharded_buddy import (
     Entry,
+    agreed_version,
     check_recoverable_loss,
     entries_from_plain,
     entries_to_plain,
@@ -31,18 +32,23 @@ def _results(log: str) -> list[dict]:
     return [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line]
 
 
-_UNINTERRUPTED: dict[str, dict] = {}
+_UNINTERRUPTED: dict[tuple[int, str], dict] = {}
+
+
+def _uninterrupted_at(world: int, shard: str) -> dict:
+    if (world, shard) not in _UNINTERRUPTED:
+        run = spread_run(SCRIPT, world, "-1", "0", "kill", shard)
+        assert run.returncode == 0, run.log
+        results = _results(run.log)
+        assert len(results) == world and {r["world_size"] for r in results} == {world}
+        assert not any(r["buddy_copy"] for r in results)  # never without --recover: no cost there
+        assert {r["recovery_copy_bytes"] for r in results} == {0}
+        _UNINTERRUPTED[(world, shard)] = results[0]
+    return _UNINTERRUPTED[(world, shard)]
 
 
 def _uninterrupted(shard: str) -> dict:
-    if shard not in _UNINTERRUPTED:
-        run = spread_run(SCRIPT, 3, "-1", "0", "kill", shard)
-        assert run.returncode == 0, run.log
-        results = _results(run.log)
-        assert len(results) == 3 and {r["world_size"] for r in results} == {3}
-        assert not any(r["buddy_copy"] for r in results)  # never without --recover: no cost there
-        _UNINTERRUPTED[shard] = results[0]
-    return _UNINTERRUPTED[shard]
+    return _uninterrupted_at(3, shard)
 
 
 @pytest.mark.processes
@@ -94,14 +100,50 @@ def test_two_ring_neighbours_lost_together_fail_the_job_naming_both():
 
 
 @pytest.mark.processes
-def test_a_loss_between_the_survivors_step_and_the_buddy_exchange_fails_the_job_naming_why():
-    """Rank 2 dies just before its optimizer step: the others step, then wait in vain for its shard,
-    so the only copy of its shard is of the step before theirs (the window a copy taken after the
-    step leaves)."""
-    run = spread_run(SCRIPT, 3, "2", "5", "in_exchange", "parameters", flags=("--recover",))
-    assert run.returncode != 0
-    assert "are of different optimizer steps ([5, 6]): the loss came during the step boundary" in run.log
-    assert "RESULT " not in run.log
+@pytest.mark.parametrize(
+    ("world", "victim", "at", "shard"),
+    [(3, 2, 5, "parameters"), (4, 2, 5, "optimizer"), (4, 2, 7, "parameters")],
+)
+def test_a_loss_between_the_survivors_step_and_the_buddy_exchange_takes_them_back_one_step(
+    world, victim, at, shard
+):
+    """The victim dies just before its optimizer step: the others step, then wait in vain for its
+    shard in the buddy exchange (at 4 ranks, rank 0 completes its exchange with rank 3 first, and
+    after the epoch's last step (8) goes on to the epoch's end), so the only copy of its shard is of
+    the step before theirs. The survivors go back to their rollback point (the shard, Adam's step
+    count, the learning rate the schedule had moved, the loop's position and sums) and repeat the
+    step: the uninterrupted weights, each epoch ended once."""
+    expected = _uninterrupted_at(world, shard)
+    run = spread_run(SCRIPT, world, str(victim), str(at), "in_exchange", shard, flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert f"regrouped at world size {world - 1} without restart" in run.log
+    assert f"(after {at} optimizer steps)" in run.log  # back one step: the step in flight is repeated
+    results = _results(run.log)
+    assert sorted(r["start_rank"] for r in results) == sorted(set(range(world)) - {victim}), run.log
+    for result in results:
+        assert result["world_size"] == world - 1
+        assert result["global_step"] == expected["global_step"]
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-5)  # the loop's sums went back too
+        # Two packed shards (the neighbour's copy, its own rollback point), each a parameter chunk
+        # and Adam's two moments: 3x the moments' bytes, less Adam's step counts.
+        assert result["recovery_copy_bytes"] == pytest.approx(3 * result["optimizer_state_bytes"], rel=0.05)
+        for key, value in expected["weights"].items():
+            torch.testing.assert_close(
+                torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
+            )
+
+
+def test_survivors_agree_on_the_step_the_lost_copy_is_of_and_refuse_what_no_rank_can_reach():
+    # Rows: [steps applied, step of the lost neighbour's copy it keeps, its rollback point's, has a shard].
+    assert agreed_version([[6, -1, 5, 1], [6, 5, 5, 1]], [2]) == 5  # both go back one step
+    assert agreed_version([[6, -1, 5, 1], [6, 6, 5, 1]], [2]) == 6  # the copy came through: no going back
+    assert agreed_version([[6, -1, 5, 1], [6, -1, 5, 1], [0, -1, -1, 0]], []) == 6  # admitting a joiner
+    two_back = r"of optimizer step\(s\) \[4\], the survivors' shards of step\(s\) \[6\]"
+    with pytest.raises(SpreadError, match=two_back):
+        agreed_version([[6, -1, 5, 1], [6, 4, 5, 1]], [2])  # two steps back: no rollback point for it
+    disagree = r"copies of the lost rank\(s\) \[1, 3\] are of optimizer step\(s\) \[5, 6\]"
+    with pytest.raises(SpreadError, match=disagree):
+        agreed_version([[6, 5, 5, 1], [6, 6, 5, 1]], [1, 3])
 
 
 def test_a_loss_is_recoverable_unless_a_shard_and_its_buddy_copy_went_together():

@@ -29,6 +29,9 @@ class MemoryReport:
     # Of the three above, the bytes held off the device (``ShardedStrategy(offload=...)``): in host
     # memory beside an accelerator, in memory-mapped files on a CPU (:func:`offloaded_bytes`).
     offloaded_bytes: int = 0
+    # Copies kept only to recover without restart (``spread run --recover``): ShardedStrategy's buddy
+    # copy of a neighbour's shard and its own rollback point. Not in the three above.
+    recovery_copy_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -37,8 +40,9 @@ class MemoryReport:
 
     @property
     def device_bytes(self) -> int:
-        """The model state the device holds (a CPU process: in its memory, not in files)."""
-        return self.model_state_bytes - self.offloaded_bytes
+        """The model state the device holds (a CPU process: in its memory, not in files), with the
+        copies kept for recovery."""
+        return self.model_state_bytes - self.offloaded_bytes + self.recovery_copy_bytes
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:

@@ -104,11 +104,15 @@ from spread.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy,
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
 from spread.strategies.sharded_buddy import (
     BuddyCopy,
+    RollbackPoint,
     check_recoverable_loss,
+    copy_buffers,
     entries_from_plain,
     entries_to_plain,
     pack,
     reassemble,
+    restore_rollback_settings,
+    take_rollback_point,
 )
 from spread.strategies.sharded_groups import (
     ShardGroups,
@@ -261,9 +265,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             else None
         )
         # Recovery without restart (spread run --recover only): the ring neighbour's shard, kept at
-        # each step boundary (sharded_buddy), and after a regroup (old rank, old world, lost ranks)
-        # until the state is rebuilt for the new world.
+        # each step boundary (sharded_buddy), this rank's own state before its latest optimizer step
+        # (and the buffers as averaged after the step before, for it), and after a regroup (old rank,
+        # old world, lost ranks) until the state is rebuilt for the new world.
         self._buddy = BuddyCopy() if os.environ.get(env.RECOVER, "") == "1" else None
+        self._rollback: RollbackPoint | None = None
+        self._averaged_buffers: list[torch.Tensor] = []
         self._regrouped: tuple[int, int, list[int]] | None = None
 
     # -- variables ---------------------------------------------------------------------------------
@@ -514,6 +521,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._buddy is not None and self._blocks and not self.awaiting_state:
             # A loss before the first step is recoverable too (a joiner's copy comes at its admission).
             self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
+            self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
         return optimizer
 
     def _chunk_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
@@ -531,6 +539,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self.prepare_optimizer(optimizer)
         if self._offload is not None and optimizer in self._prepared:
             self._offload.step(optimizer, lambda p: id(p) in self._shard_to_block, args, kwargs)
+        if self._buddy is not None and optimizer in self._prepared and not self._closed:
+            # Where the survivors go back to when a loss comes before every rank has the copy of
+            # the step this one is about to take (sharded_buddy).
+            self._rollback = take_rollback_point(
+                self._blocks, optimizer, self.steps_applied, self._averaged_buffers, self.steps_with_buffers
+            )
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._offload is not None:
@@ -565,6 +579,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._buffers is not None:
             self._buffers.sync(self._buffer_weight)
         self.steps_with_buffers += 1
+        if self._buddy is not None and self._managed_buffers:
+            self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
 
     # -- state: the seam's layout (spread.strategies.sharded_state) -------------------------------
     def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -687,7 +703,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         of them below ``"parameters"``: counted once); the model's and the shards' gradients (with
         the reduced buffers they are views of); ``optimizer``'s state. With ``offload``, the part of
         them held off the device is ``offloaded_bytes`` (the device's copies of host shards count as
-        parameters held on it)."""
+        parameters held on it). Under ``--recover`` the copies kept to recover are
+        ``recovery_copy_bytes``."""
         seen: set[int] = set()
         shards = [s for b in self._blocks for s in b.shards]
         copies = [c for b in self._blocks if (c := b.device_copy) is not None]
@@ -714,7 +731,17 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             optimizer_state_bytes=state,
             activation_bytes=self._activation_bytes,
             offloaded_bytes=offloaded_bytes(everything, self.device),
+            recovery_copy_bytes=self._recovery_copy_bytes(),
         )
+
+    def _recovery_copy_bytes(self) -> int:
+        """The buddy copy and the rollback point (``--recover`` only; packed: storages of their own)."""
+        kept: list[torch.Tensor] = []
+        if self._buddy is not None:
+            kept += self._buddy.flats.values()
+        if self._rollback is not None:
+            kept += [*self._rollback.flats.values(), *self._rollback.buffers]
+        return storage_bytes(kept)
 
     # -- recovery without restart (spread run --recover; sharded_buddy) ------------------------------
     def check_recoverable(self) -> None:
@@ -775,7 +802,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         else:
             assert self._regrouped is not None, "broadcast_training_state follows regroup"
             old_rank, old_world, lost = self._regrouped
-        whole = reassemble(
+        whole, version = reassemble(
             self.collectives,
             old_rank,
             old_world,
@@ -784,9 +811,12 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             optimizer,
             self._buddy,
             self.steps_applied,
+            self._rollback,
             entries_from_plain(plan["entries"]) if joined and plan is not None else (),
         )
         self._regrouped = None
+        rollback = self._rollback if not joined and version != self.steps_applied else None
+        self._rollback = None
         old_shards = {id(s): (j, i) for j, b in enumerate(self._blocks) for i, s in enumerate(b.shards)}
         kept: dict[tuple[int, int], dict[str, Any]] = {}  # old shard's place -> its optimizer state
         if optimizer is not None and joined:
@@ -794,11 +824,23 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self._take_optimizer_settings(optimizer, plan)
             # Per-element entries are None there: they come from ``whole``, like a survivor's.
             kept = {(int(j), int(i)): dict(state) for j, i, state in plan["state"]}
+        elif optimizer is not None and rollback is not None:  # back to the step before this rank's last
+            restore_rollback_settings(optimizer, rollback, list(self._managed_buffers.values()))
+            per_element: dict[tuple[int, int], list[str]] = {}
+            for e in rollback.entries:
+                if e.key:
+                    per_element.setdefault((e.block, e.index), []).append(e.key)
+            for place, scalars in rollback.scalars.items():
+                state = {**scalars, **dict.fromkeys(per_element.get(place, ()))}
+                if state:
+                    kept[place] = state
         elif optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if id(p) in old_shards:
                         kept[old_shards[id(p)]] = dict(optimizer.state.get(p, {}))
+        if rollback is not None:
+            self.steps_applied, self.steps_with_buffers = version, rollback.steps_with_buffers
         self._shard_to_block.clear()
         for j, block in enumerate(self._blocks):
             block.reshard(self.collectives, [whole[(j, i, "")] for i in range(len(block.params))])
@@ -834,6 +876,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
                 list(self._managed_buffers.values()), src=src, name="recover_buffers"
             )
         self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
+        self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
 
     def _join_plan(self, src: int, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """Collective (a broadcast from ``src``, a survivor): what a process joining the running job

@@ -9,6 +9,13 @@ rebuild every old rank's shard from their own and from the copies of the lost ra
 (:func:`reassemble`), and the strategy cuts it again for the smaller world. Two ring neighbours lost
 together took the only copies of one shard: refused by name (:func:`check_recoverable_loss`).
 
+A loss inside the step boundary (after the step's last collective, before the exchange ended on every
+rank) leaves the survivors' shards one optimizer step ahead of the lost rank's copy: the survivors have
+stepped, its keeper still holds its shard of the step before. So every rank also keeps its own shard
+as it was before its latest optimizer step (a :class:`RollbackPoint`, 1/N more model state): the
+survivors then go back to that step, the lost rank's copy matches them, and the step is repeated like
+any step in flight.
+
 A process that joins the running job (a machine that came back) takes part in the same collective
 with nothing of its own (zeros, the layout of a shard told by a survivor: :func:`entries_to_plain`),
 so it receives every old rank's shard from the live ranks, and the strategy cuts the state for the
@@ -18,7 +25,7 @@ larger world the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,6 +98,66 @@ class BuddyCopy:
         self.entries, self.flats, self.step = entries, received, step
 
 
+@dataclass
+class RollbackPoint:
+    """This rank's own state as it was before its latest optimizer step (version ``step``): its packed
+    shard, each shard's optimizer state that is not per element (Adam's step count), every parameter
+    group's hyperparameters (a schedule moves the learning rate after the step) and the model's
+    buffers as averaged after the step before."""
+
+    step: int
+    entries: list[Entry]
+    flats: dict[torch.dtype, torch.Tensor]
+    scalars: dict[tuple[int, int], dict[str, Any]]
+    groups: list[dict[str, Any]]
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    steps_with_buffers: int = 0
+
+
+def _copied(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def take_rollback_point(
+    blocks: Sequence[ParameterBlock],
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    buffers: Sequence[torch.Tensor],
+    steps_with_buffers: int,
+) -> RollbackPoint:
+    """Local: this rank's state before the optimizer step that makes ``step + 1`` (taken in the step's
+    pre-hook; ``buffers`` are those kept after the step before, see :func:`copy_buffers`)."""
+    entries, flats = pack(blocks, optimizer)
+    scalars: dict[tuple[int, int], dict[str, Any]] = {}
+    for j, block in enumerate(blocks):
+        for i, shard in enumerate(block.shards):
+            state = optimizer.state.get(shard, {})
+            scalars[(j, i)] = {
+                key: _copied(value)
+                for key, value in state.items()
+                if not is_per_element(key, value, shard.shape)
+            }
+    groups = [{k: _copied(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return RollbackPoint(step, entries, flats, scalars, groups, list(buffers), steps_with_buffers)
+
+
+def copy_buffers(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The model's buffers as they are now (after a step's averaging), for the next rollback point."""
+    return [b.detach().clone() for b in buffers]
+
+
+def restore_rollback_settings(
+    optimizer: torch.optim.Optimizer, point: RollbackPoint, buffers: Sequence[torch.Tensor]
+) -> None:
+    """Put back what a rollback point kept besides the shards: the groups' hyperparameters and the
+    buffers (the shards and their optimizer state are rebuilt by the caller)."""
+    for group, settings in zip(optimizer.param_groups, point.groups, strict=True):
+        group.update({k: _copied(v) for k, v in settings.items()})
+    with torch.no_grad():
+        for live, kept in zip(buffers, point.buffers, strict=True):
+            live.copy_(kept)
+
+
 def entries_to_plain(entries: Sequence[Entry]) -> list[list[Any]]:
     """A shard's layout as plain values (JSON-safe, for a process that joins: it holds no shard yet)."""
     return [
@@ -140,30 +207,38 @@ def reassemble(
     optimizer: torch.optim.Optimizer | None,
     buddy: BuddyCopy,
     steps_applied: int,
+    rollback: RollbackPoint | None = None,
     joiner_entries: Sequence[Entry] = (),
-) -> dict[tuple[int, int, str], torch.Tensor]:
+) -> tuple[dict[tuple[int, int, str], torch.Tensor], int]:
     """Collective over the new group: every old rank's shard, from its owner or (a lost rank's) from
     the buddy copy its left neighbour kept, as the whole one-device tensors ``{(block, index, key):
-    tensor}`` (``key`` empty: the parameter). A process that joined (``old_rank`` None) holds no shard:
+    tensor}`` (``key`` empty: the parameter), and the number of optimizer steps they are of. A
+    survivor one step ahead of the lost rank's copy contributes its ``rollback`` point instead (the
+    caller then restores the rest of it). A process that joined (``old_rank`` None) holds no shard:
     it adds zeros laid out as ``joiner_entries`` (a survivor's :func:`pack` layout) and receives the
-    rest. Refused, naming why, when the survivors' shards and the kept copy are not of the same
-    optimizer step."""
+    rest. Refused, naming why, when no common step can be rebuilt."""
     holds = old_rank is not None and (old_rank + 1) % old_world in lost  # it kept a lost rank's shard
     has_shard = int(old_rank is not None)
-    kept_step = buddy.step if holds else steps_applied
-    progress = torch.tensor([[steps_applied, kept_step, has_shard]], dtype=torch.int64)
+    progress = torch.tensor(
+        [
+            [
+                steps_applied,
+                buddy.step if holds else -1,
+                rollback.step if rollback is not None else -1,
+                has_shard,
+            ]
+        ],
+        dtype=torch.int64,
+    )
     gathered = collectives.all_gather(progress.to(collectives.device), name="sharded.recover_versions")
-    reported = [row.tolist() for part in gathered for row in part.reshape(-1, 3)]
-    versions = {int(v) for row in reported if row[2] for v in row[:2]}
-    if len(versions) != 1:
-        raise SpreadError(
-            "ShardedStrategy cannot recover without restart: the survivors' shards and the buddy copy "
-            f"of the lost rank(s) {sorted(lost)} are of different optimizer steps ({sorted(versions)}): the "
-            "loss came during the step boundary's buddy exchange. The job fails as without --recover "
-            "(--max-restarts with BackupAndRestore restarts it from the last backup)"
-        )
+    reported = [row.tolist() for part in gathered for row in part.reshape(-1, 4)]
+    version = agreed_version(reported, lost)
+    behind = old_rank is not None and steps_applied != version  # it goes back to its rollback point
     if old_rank is None:
         entries, mine = list(joiner_entries), _zeros_of(joiner_entries, collectives.device)
+    elif behind:
+        assert rollback is not None, "agreed_version checked every survivor can reach the version"
+        entries, mine = rollback.entries, rollback.flats
     else:
         entries, mine = pack(blocks, optimizer)
     if holds and entries != buddy.entries:
@@ -183,4 +258,24 @@ def reassemble(
         rows = tables[e.dtype][:, e.offset : e.offset + e.numel]
         numel = layout.numel(e.index)
         whole[(e.block, e.index, e.key)] = rows.reshape(-1)[:numel].view(layout.shapes[e.index]).clone()
-    return whole
+    return whole, version
+
+
+def agreed_version(reported: Sequence[Sequence[int]], lost: Sequence[int]) -> int:
+    """The optimizer step every shard can be rebuilt at, from each rank's ``[steps applied, step of
+    the lost neighbour's copy it keeps (-1: none), step of its rollback point (-1: none), has a
+    shard]``: the lost ranks' copies fix it (the survivors may have stepped past it: they go back);
+    without a loss (admitting a joiner), the survivors' own. Refused by name when a copy is of
+    another step than the others, or a survivor can reach it neither way."""
+    kept = {int(row[1]) for row in reported if row[3] and row[1] >= 0}
+    applied = {int(row[0]) for row in reported if row[3]}
+    version = min(kept) if kept else min(applied)
+    unreachable = [row for row in reported if row[3] and version not in (row[0], row[2])]
+    if len(kept) > 1 or unreachable:
+        raise SpreadError(
+            "ShardedStrategy cannot recover without restart: the buddy copies of the lost rank(s) "
+            f"{sorted(lost)} are of optimizer step(s) {sorted(kept)}, the survivors' shards of step(s) "
+            f"{sorted(applied)}, and a survivor can go back one step only. The job fails as without "
+            "--recover (--max-restarts with BackupAndRestore restarts it from the last backup)"
+        )
+    return version

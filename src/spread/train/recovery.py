@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,16 +40,19 @@ def recovery_requested() -> bool:
     return os.environ.get(env.RECOVER, "") == "1"
 
 
-def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException | None) -> dict[str, Any]:
+def recover(
+    trainer: Trainer, loop_states: Mapping[int, dict[str, Any]], cause: BaseException | None
+) -> dict[str, Any]:
     """Regroup the survivors (and any process waiting to join: ``cause`` is None when that is why)
     and return the position (and loop state) every one of them continues from: that of the survivor
-    furthest ahead, whose model and optimizer state all ranks now hold."""
+    furthest ahead, whose model and optimizer state all ranks now hold (``loop_states``: this rank's
+    loop state by optimizer steps applied, see :func:`share_state`)."""
     strategy = trainer.strategy
     old_rank, old_world = strategy.rank, strategy.num_replicas_in_sync
     started = time.perf_counter()
     strategy.regroup()
     grouped = time.perf_counter()
-    agreed = share_state(trainer, position)
+    agreed = share_state(trainer, loop_states)
     if strategy.is_chief:
         why = (
             "admitting the machine(s) that wait to join"
@@ -67,16 +71,24 @@ def recover(trainer: Trainer, position: dict[str, Any], cause: BaseException | N
     return agreed
 
 
-def share_state(trainer: Trainer, position: dict[str, Any]) -> dict[str, Any]:
-    """Collective over the (new) group: every rank takes the model, optimizer state and ``position``
-    of the rank that applied the most optimizer steps (a process that joined a running job has
-    applied none, so it takes a survivor's: streamed from a live peer, never read from disk)."""
+def share_state(trainer: Trainer, loop_states: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
+    """Collective over the (new) group: every rank takes the model, optimizer state and loop state of
+    the rank that applied the most optimizer steps (a process that joined a running job has applied
+    none, so it takes a survivor's: streamed from a live peer, never read from disk). ``loop_states``
+    holds this rank's loop state (position, sums, schedule) by optimizer steps applied, its latest
+    and the one before: the strategy may rebuild the model one step back (ShardedStrategy, when the
+    loss came before every rank had the copy of the last step), and the loop goes back with it."""
     strategy = trainer.strategy
     progress = torch.tensor([list(strategy.recovery_progress)], dtype=torch.int64, device=strategy.device)
     rows = [tuple(row) for row in strategy.gather_from_every_rank(progress).cpu().tolist()]
     src = max(range(len(rows)), key=lambda r: (rows[r], -r))  # furthest ahead; the first on ties
     strategy.broadcast_training_state(src, trainer.optimizer)
-    return strategy.broadcast_object(position, src)
+    state = None
+    if strategy.rank == src:
+        applied = strategy.recovery_progress[0]
+        assert applied in loop_states, f"the loop keeps its state after {sorted(loop_states)} steps only"
+        state = loop_states[applied]
+    return strategy.broadcast_object(state, src)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -165,6 +165,8 @@ class Trainer:
         self.stop_voted = False  # whether some rank's callback asked to stop after the last step
         self.join_voted = False  # whether machines wait to join (spread run --recover), after the last step
         self._recovering = False  # this fit recovers without restart (spread run --recover)
+        # Under --recover: the loop's state after the last two counts of optimizer steps (recovery).
+        self._loop_states: dict[int, dict[str, Any]] = {}
         self.params: dict[str, Any] = {}
         self.epoch = 0
         self.global_step = 0
@@ -551,6 +553,8 @@ class Trainer:
                 started = time.perf_counter()
                 applied, steps_before = self.strategy.recovery_progress[0], self.global_step
                 norms_before = self.grad_norm_sums.clone() if recovering else None
+                if recovering:  # what a survivor goes back to if the strategy must undo its last step
+                    self._keep_loop_state(applied, position)
                 try:
                     with record_function("spread.step"):
                         packed, step_logs = self._train_step(batch)
@@ -597,6 +601,22 @@ class Trainer:
                 if recovering and self.join_voted and not self.stop_training:
                     admitting = True
                     break
+            if lost is None and not admitting:
+                self.data_wait_fraction = train.wait_clock.seconds / max(
+                    time.perf_counter() - epoch_started, 1e-9
+                )
+                logs = {**sums.results(), **self._epoch_norm_logs(), **self._lr_logs()}
+                try:  # the epoch's own collectives, before any callback sees its end: recoverable too
+                    if watch is not None:
+                        logs.update(watch.epoch_figures())
+                    if has_validation:
+                        RECORDER.set_phase(f"validation after epoch {epoch + 1}")
+                        val_logs = self._evaluate(validation_data, validation_batch_size, None)
+                        logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                except PEER_FAILURES as exc:
+                    if not recovering:
+                        raise
+                    lost = exc  # the epoch ends again, at the new world size
             if lost is not None or admitting:
                 assert redistribute is not None
                 batches.close()  # type: ignore[attr-defined]  # its reading thread stops now
@@ -605,16 +625,6 @@ class Trainer:
                 train = self.train_dataset = redistribute()
                 watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
                 continue
-            self.data_wait_fraction = train.wait_clock.seconds / max(
-                time.perf_counter() - epoch_started, 1e-9
-            )
-            logs = {**sums.results(), **self._epoch_norm_logs(), **self._lr_logs()}
-            if watch is not None:
-                logs.update(watch.epoch_figures())
-            if has_validation:
-                RECORDER.set_phase(f"validation after epoch {epoch + 1}")
-                val_logs = self._evaluate(validation_data, validation_batch_size, None)
-                logs.update({f"val_{k}": v for k, v in val_logs.items()})
             if self.lr_schedule is not None:
                 self.lr_schedule.after_epoch(logs, has_validation)
             cbs.call("on_epoch_end", epoch, logs)
@@ -670,14 +680,9 @@ class Trainer:
         "sums"}``)."""
         if position is None:
             position = {"epoch": 0, "batch": 0, "sums": RunningSums(list(self.metrics)).totals.clone()}
-        mine = {
-            **position,
-            "global_step": self.global_step,
-            "grad_norm_sums": self.grad_norm_sums.clone(),
-            "skipped_steps": self.skipped_steps,
-            **self.schedule_state_dict(),
-        }
-        agreed = share_state(self, mine) if self.strategy.awaiting_state else recover(self, mine, cause)
+        self._keep_loop_state(self.strategy.recovery_progress[0], position)
+        states, self._loop_states = self._loop_states, {}
+        agreed = share_state(self, states) if self.strategy.awaiting_state else recover(self, states, cause)
         self.global_step = int(agreed["global_step"])
         self.grad_norm_sums = agreed["grad_norm_sums"].clone()
         self.skipped_steps = int(agreed["skipped_steps"])
@@ -686,6 +691,20 @@ class Trainer:
         if "grad_scaler" in agreed:
             self.precision.load_state_dict(agreed["grad_scaler"])
         return {"epoch": int(agreed["epoch"]), "batch": int(agreed["batch"]), "sums": agreed["sums"]}
+
+    def _keep_loop_state(self, steps_applied: int, position: dict[str, Any]) -> None:
+        """Keep the loop's state at ``position`` (its epoch, batch and running sums) as the state after
+        ``steps_applied`` optimizer steps, and the one before it: after a lost peer the strategy may
+        take the model back one step (ShardedStrategy, when the loss came inside the step boundary),
+        and the loop goes back with it."""
+        self._loop_states = {k: v for k, v in self._loop_states.items() if k >= steps_applied - 1}
+        self._loop_states[steps_applied] = {
+            **position,
+            "global_step": self.global_step,
+            "grad_norm_sums": self.grad_norm_sums.clone(),
+            "skipped_steps": self.skipped_steps,
+            **self.schedule_state_dict(),
+        }
 
     def _drop_step(self, packed: torch.Tensor, what: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """``on_nonfinite``: raise before the weights change, or drop this step's update."""

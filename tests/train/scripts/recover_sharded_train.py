@@ -78,6 +78,7 @@ if MODE == "in_exchange" and AT >= 0:  # dies after the others' last collective 
 
     optimizer.register_step_pre_hook(die_before_step)
 history = trainer.fit((x, y), epochs=2, global_batch_size=12, verbose=0)
+report = strategy.memory_report(optimizer)
 weights = strategy.full_state_dict(model)
 result = {
     "start_rank": START_RANK,
@@ -85,6 +86,8 @@ result = {
     "world_size": strategy.num_replicas_in_sync,
     "buddy_copy": strategy._buddy is not None,  # kept under spread run --recover only
     "global_step": trainer.global_step,
+    "optimizer_state_bytes": report.optimizer_state_bytes,
+    "recovery_copy_bytes": report.recovery_copy_bytes,
     "loss": history.history["loss"],
     "weights": {k: v.tolist() for k, v in weights.items()},
 }

@@ -1,7 +1,8 @@
 """A MultiWorkerMirrored fit for recovery without restart: ``VICTIM`` (a rank, or -1) hurts itself
 before optimizer step ``AT`` (``MODE``: kill = SIGKILL, stop = SIGSTOP, term = SIGTERM, or
-mid-backward kill: ``backward``); every rank that finishes prints ``RESULT <json>`` with its pid,
-the final world size and weights."""
+mid-backward kill: ``backward``), or is SIGKILLed in the first validation forward after ``AT`` steps
+(``validation``: the fit then validates every epoch); every rank that finishes prints
+``RESULT <json>`` with its pid, the final world size, weights and history."""
 
 import json
 import os
@@ -50,13 +51,23 @@ if MODE == "backward" and START_RANK == VICTIM:  # dies in backward, its peers m
         return grad
 
     model[0].weight.register_hook(die)
-history = trainer.fit((x, y), epochs=2, global_batch_size=12, verbose=0)
+validation = None
+if MODE == "validation":  # dies while its peers validate, before any callback sees the epoch's end
+    validation = (torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+
+    def die_validating(module, args):
+        if START_RANK == VICTIM and not module.training and trainer.global_step >= AT:
+            os.kill(PID, signal.SIGKILL)
+
+    model.register_forward_pre_hook(die_validating)
+history = trainer.fit((x, y), epochs=2, global_batch_size=12, validation_data=validation, verbose=0)
 result = {
     "start_rank": START_RANK,
     "pid": PID,
     "world_size": strategy.num_replicas_in_sync,
     "global_step": trainer.global_step,
     "loss": history.history["loss"],
+    "val_loss": history.history.get("val_loss", []),
     "weights": {k: v.tolist() for k, v in model.state_dict().items()},
 }
 print("RESULT " + json.dumps(result), flush=True)
