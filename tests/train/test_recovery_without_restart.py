@@ -71,6 +71,25 @@ def test_a_rank_lost_while_its_peers_validate_leaves_them_to_end_the_epoch_again
             )
 
 
+@pytest.mark.processes
+def test_the_chief_lost_in_the_backup_at_an_epochs_end_leaves_the_others_to_go_on(uninterrupted, tmp_path):
+    """``BackupAndRestore``'s default ``save_freq="epoch"`` saves in ``on_epoch_end``: the chief dies
+    between writing its shard and committing, the others' save fails, and they go on at the next
+    epoch (that backup never became the latest; the epoch ended once)."""
+    run = spread_run(SCRIPT, 3, "0", "0", "epoch_save", str(tmp_path / "backups"), flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert "rank 0 was lost; --recover: the job continues without it at world size 2" in run.log
+    assert "continuing at epoch 2, batch 0 (after 10 optimizer steps)" in run.log
+    results = _results(run.log)
+    assert sorted(r["start_rank"] for r in results) == [1, 2], run.log
+    for result in results:
+        assert result["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-5)  # 2 epochs, each ended once
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(
+                torch.tensor(result["weights"][key]), torch.tensor(value), **TOLERANCE, msg=key
+            )
+
+
 @pytest.mark.parametrize("name", ["PipelineStrategy"])
 def test_strategies_that_cannot_regroup_are_refused_by_name(name):
     import spread

@@ -617,20 +617,31 @@ class Trainer:
                     if not recovering:
                         raise
                     lost = exc  # the epoch ends again, at the new world size
-            if lost is not None or admitting:
-                assert redistribute is not None
-                batches.close()  # type: ignore[attr-defined]  # its reading thread stops now
-                resume = self._recover(position, lost)
-                epoch, regrouped = resume["epoch"], True
-                train = self.train_dataset = redistribute()
-                watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
-                continue
-            if self.lr_schedule is not None:
-                self.lr_schedule.after_epoch(logs, has_validation)
-            cbs.call("on_epoch_end", epoch, logs)
-            if self.stop_training:
-                break
-            epoch += 1
+            if lost is None and not admitting:
+                if self.lr_schedule is not None:
+                    self.lr_schedule.after_epoch(logs, has_validation)
+                try:
+                    cbs.call("on_epoch_end", epoch, logs)
+                except PEER_FAILURES as exc:  # a save at the epoch's end, say
+                    if not recovering:
+                        raise
+                    # The epoch ended on this rank: the job goes on at the next one; the callbacks
+                    # after the one that failed miss this end (as a step's on_train_batch_end).
+                    lost = exc
+                    position = {"epoch": epoch + 1, "batch": 0, "sums": torch.zeros_like(sums.totals)}
+                else:
+                    if self.stop_training:
+                        break
+                    epoch += 1
+                    continue
+            assert redistribute is not None
+            batches.close()  # type: ignore[attr-defined]  # its reading thread stops now
+            resume = self._recover(position, lost)
+            # Back into an epoch (the step in flight, or its end again), or on at the next one's start.
+            regrouped = (resume["epoch"], resume["batch"]) != (epoch + 1, 0)
+            epoch = resume["epoch"]
+            train = self.train_dataset = redistribute()
+            watch = self.stragglers = StragglerWatch(self.strategy, self._report) if comparable else None
         self.strategy.refresh_weights()  # parameter servers: the model leaves fit holding their values
         summary = watch.summary() if watch is not None else None
         if summary is not None:

@@ -1,7 +1,9 @@
 """A MultiWorkerMirrored fit for recovery without restart: ``VICTIM`` (a rank, or -1) hurts itself
 before optimizer step ``AT`` (``MODE``: kill = SIGKILL, stop = SIGSTOP, term = SIGTERM, or
 mid-backward kill: ``backward``), or is SIGKILLed in the first validation forward after ``AT`` steps
-(``validation``: the fit then validates every epoch); every rank that finishes prints
+(``validation``: the fit then validates every epoch), or inside the synchronous backup at the end
+of epoch ``AT`` (``epoch_save``: ``BackupAndRestore(DIR, save_freq="epoch")``, ``DIR`` the fourth
+argument); every rank that finishes prints
 ``RESULT <json>`` with its pid, the final world size, weights and history."""
 
 import json
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 import spread
-from spread.train.callbacks import Callback
+from spread.train.callbacks import BackupAndRestore, Callback
 
 VICTIM, AT, MODE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "backward": signal.SIGKILL}
@@ -22,8 +24,12 @@ START_RANK, PID = int(os.environ["RANK"]), os.getpid()
 
 class Hurt(Callback):
     def on_train_batch_begin(self, step, logs=None):
-        if START_RANK == VICTIM and self.trainer.global_step == AT and MODE != "backward":
+        if START_RANK == VICTIM and self.trainer.global_step == AT and MODE in SIGNALS and MODE != "backward":
             os.kill(PID, SIGNALS[MODE])
+
+    def on_epoch_end(self, epoch, logs=None):  # before the backup's: it dies inside that save
+        if START_RANK == VICTIM and epoch == AT and MODE == "epoch_save":
+            os.environ["SPREAD_CHECKPOINT_CRASH_AT"] = "after_shard_write"
 
 
 strategy = spread.MultiWorkerMirroredStrategy()
@@ -38,7 +44,9 @@ trainer = spread.Trainer(
     optimizer,
     nn.CrossEntropyLoss(),
     strategy=strategy,
-    callbacks=[Hurt()],
+    callbacks=[Hurt(), BackupAndRestore(sys.argv[4], save_freq="epoch", async_save=False)]
+    if MODE == "epoch_save"
+    else [Hurt()],
     lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
     scheduler_interval="step",
     clip_grad_norm=1.0,
