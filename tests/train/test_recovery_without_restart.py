@@ -90,6 +90,22 @@ def test_the_chief_lost_in_the_backup_at_an_epochs_end_leaves_the_others_to_go_o
             )
 
 
+@pytest.mark.processes
+def test_batchnorm_running_statistics_stay_equal_on_every_rank_after_a_regroup(monkeypatch):
+    """Rank 2 dies in backward: the survivors' forward had moved their running statistics each its
+    own way. They are broadcast at the regroup, and the averaging after each step starts from them
+    (batch norm is not exact across world sizes, so only the ranks' agreement is checked)."""
+    monkeypatch.setenv("SPREAD_TEST_BATCHNORM", "1")
+    run = spread_run(SCRIPT, 3, "2", "5", "backward", flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert "regrouped at world size 2 without restart" in run.log
+    first, *others = _results(run.log)
+    assert others and "1.running_mean" in first["weights"]
+    for other in others:
+        for key, value in first["weights"].items():
+            assert other["weights"][key] == value, key
+
+
 @pytest.mark.parametrize("name", ["PipelineStrategy"])
 def test_strategies_that_cannot_regroup_are_refused_by_name(name):
     import spread

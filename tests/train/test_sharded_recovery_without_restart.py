@@ -133,6 +133,24 @@ def test_a_loss_between_the_survivors_step_and_the_buddy_exchange_takes_them_bac
             )
 
 
+@pytest.mark.processes
+@pytest.mark.parametrize("mode", ["in_exchange", "backward"])
+def test_batchnorm_running_statistics_stay_equal_on_every_rank_after_a_regroup(monkeypatch, mode):
+    """The lost step's forward moved each survivor's running statistics its own way; after the
+    regroup they are broadcast, and the averaging after each step must start from them, or each
+    rank keeps its own offset for good. (Batch norm is not exact across world sizes: each rank
+    normalises over its own part of the batch, so only the ranks' agreement is checked.)"""
+    monkeypatch.setenv("SPREAD_TEST_BATCHNORM", "1")
+    run = spread_run(SCRIPT, 3, "2", "5", mode, "parameters", flags=("--recover",))
+    assert run.returncode == 0, run.log
+    assert "regrouped at world size 2 without restart" in run.log
+    first, *others = _results(run.log)
+    assert others and "norm.running_mean" in first["weights"]
+    for other in others:
+        for key, value in first["weights"].items():
+            assert other["weights"][key] == value, key
+
+
 def test_survivors_agree_on_the_step_the_lost_copy_is_of_and_refuse_what_no_rank_can_reach():
     # Rows: [steps applied, step of the lost neighbour's copy it keeps, its rollback point's, has a shard].
     assert agreed_version([[6, -1, 5, 1], [6, 5, 5, 1]], [2]) == 5  # both go back one step

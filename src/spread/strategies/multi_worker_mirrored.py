@@ -241,6 +241,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._buffers_stale = True
         self._on_new_modules([])
 
+    def _buffers_now_equal(self) -> None:
+        """After the buffers were made equal by a broadcast: the averaging starts from them. It averages
+        each rank's change since its last starting point, so a starting point taken at a regroup, while
+        the lost step's forward had moved each rank's buffers its own way, would keep each rank's
+        offset for good."""
+        if self._buffers is not None:
+            self._buffers.reset()
+
     def _after_regroup(self, old_world: int, lost: list[int]) -> None:
         """What follows the new group at a regroup (``lost``: the old ranks that are gone): here the
         gradient exchange over it."""
@@ -265,6 +273,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.awaiting_state = False
         with torch.no_grad():
             self.collectives.broadcast_tensors(tensors, src=src, name="recover_weights")
+        self._buffers_now_equal()
         if optimizer is not None:
             state = self.broadcast_object(optimizer.state_dict() if self.rank == src else None, src)
             if self.rank != src:

@@ -875,6 +875,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             self.collectives.broadcast_tensors(
                 list(self._managed_buffers.values()), src=src, name="recover_buffers"
             )
+        self._buffers_now_equal()
         self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
         self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
 

@@ -30,11 +30,13 @@ class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 16)
+        # Running statistics: buffers averaged after every step (SPREAD_TEST_BATCHNORM=1).
+        self.norm = nn.BatchNorm1d(16) if os.environ.get("SPREAD_TEST_BATCHNORM") else nn.Identity()
         self.hidden = nn.Linear(16, 16)
         self.head = nn.Linear(16, 3)
 
     def forward(self, x):
-        h = torch.relu(self.inp(x))
+        h = torch.relu(self.norm(self.inp(x)))
         return self.head(h + torch.tanh(self.hidden(h)))
 
 

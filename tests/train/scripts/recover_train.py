@@ -37,7 +37,9 @@ g = torch.Generator().manual_seed(1)
 x, y = torch.randn(120, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
 with strategy.scope():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    # Running statistics, averaged after every step, with SPREAD_TEST_BATCHNORM=1.
+    norm = nn.BatchNorm1d(16) if os.environ.get("SPREAD_TEST_BATCHNORM") else nn.Identity()
+    model = nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Linear(16, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 trainer = spread.Trainer(
     model,
