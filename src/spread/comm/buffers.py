@@ -65,10 +65,24 @@ class BufferAverager:
             return
         delta = self._flatten().sub_(self._last).mul_(weight)
         self.collectives.all_reduce(delta, name="sync_buffers")
-        merged = self._last.add_(delta)
+        self._last.add_(delta)
+        self._write_back()
+
+    def starting_point(self) -> torch.Tensor:
+        """A copy of the buffers as the last :meth:`sync` (or :meth:`reset`) left them, equal on every
+        rank (a step's forward moves the buffers, not this)."""
+        return self._last.clone()
+
+    @torch.no_grad()
+    def restore(self, point: torch.Tensor) -> None:
+        """Put the buffers back to a :meth:`starting_point` of theirs, and start from it."""
+        self._last = point.clone()
+        self._write_back()
+
+    def _write_back(self) -> None:
         offset = 0
         for t in self.buffers:
-            part = merged[offset : offset + t.numel()].view_as(t)
+            part = self._last[offset : offset + t.numel()].view_as(t)
             t.copy_(part.round_() if not t.is_floating_point() else part)
             part.copy_(t)  # what the buffer holds after rounding to its dtype: the next starting point
             offset += t.numel()

@@ -106,7 +106,6 @@ from spread.strategies.sharded_buddy import (
     BuddyCopy,
     RollbackPoint,
     check_recoverable_loss,
-    copy_buffers,
     entries_from_plain,
     entries_to_plain,
     pack,
@@ -265,12 +264,11 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             else None
         )
         # Recovery without restart (spread run --recover only): the ring neighbour's shard, kept at
-        # each step boundary (sharded_buddy), this rank's own state before its latest optimizer step
-        # (and the buffers as averaged after the step before, for it), and after a regroup (old rank,
-        # old world, lost ranks) until the state is rebuilt for the new world.
+        # each step boundary (sharded_buddy), this rank's own state before its latest optimizer step,
+        # and after a regroup (old rank, old world, lost ranks) until the state is rebuilt for the new
+        # world.
         self._buddy = BuddyCopy() if os.environ.get(env.RECOVER, "") == "1" else None
         self._rollback: RollbackPoint | None = None
-        self._averaged_buffers: list[torch.Tensor] = []
         self._regrouped: tuple[int, int, list[int]] | None = None
 
     # -- variables ---------------------------------------------------------------------------------
@@ -521,7 +519,6 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._buddy is not None and self._blocks and not self.awaiting_state:
             # A loss before the first step is recoverable too (a joiner's copy comes at its admission).
             self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
-            self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
         return optimizer
 
     def _chunk_state(self, block: ParameterBlock, i: int, key: str, value: Any) -> Any:
@@ -543,7 +540,7 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             # Where the survivors go back to when a loss comes before every rank has the copy of
             # the step this one is about to take (sharded_buddy).
             self._rollback = take_rollback_point(
-                self._blocks, optimizer, self.steps_applied, self._averaged_buffers, self.steps_with_buffers
+                self._blocks, optimizer, self.steps_applied, self._buffers, self.steps_with_buffers
             )
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -579,8 +576,6 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._buffers is not None:
             self._buffers.sync(self._buffer_weight)
         self.steps_with_buffers += 1
-        if self._buddy is not None and self._managed_buffers:
-            self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
 
     # -- state: the seam's layout (spread.strategies.sharded_state) -------------------------------
     def local_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -740,7 +735,9 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
         if self._buddy is not None:
             kept += self._buddy.flats.values()
         if self._rollback is not None:
-            kept += [*self._rollback.flats.values(), *self._rollback.buffers]
+            kept += [*self._rollback.flats.values()]
+            if self._rollback.buffers is not None:
+                kept.append(self._rollback.buffers)
         return storage_bytes(kept)
 
     # -- recovery without restart (spread run --recover; sharded_buddy) ------------------------------
@@ -825,15 +822,8 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             # Per-element entries are None there: they come from ``whole``, like a survivor's.
             kept = {(int(j), int(i)): dict(state) for j, i, state in plan["state"]}
         elif optimizer is not None and rollback is not None:  # back to the step before this rank's last
-            restore_rollback_settings(optimizer, rollback, list(self._managed_buffers.values()))
-            per_element: dict[tuple[int, int], list[str]] = {}
-            for e in rollback.entries:
-                if e.key:
-                    per_element.setdefault((e.block, e.index), []).append(e.key)
-            for place, scalars in rollback.scalars.items():
-                state = {**scalars, **dict.fromkeys(per_element.get(place, ()))}
-                if state:
-                    kept[place] = state
+            restore_rollback_settings(optimizer, rollback, self._buffers)
+            kept = rollback.optimizer_states()
         elif optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -877,7 +867,6 @@ class ShardedStrategy(MultiWorkerMirroredStrategy):
             )
         self._buffers_now_equal()
         self._buddy.refresh(self.collectives, self._blocks, optimizer, self.steps_applied)
-        self._averaged_buffers = copy_buffers(list(self._managed_buffers.values()))
 
     def _join_plan(self, src: int, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """Collective (a broadcast from ``src``, a survivor): what a process joining the running job

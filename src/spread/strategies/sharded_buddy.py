@@ -25,12 +25,13 @@ larger world the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from spread.comm import Collectives
+from spread.comm.buffers import BufferAverager
 from spread.errors import SpreadError
 from spread.strategies.sharded_block import ParameterBlock, is_per_element
 
@@ -103,15 +104,24 @@ class RollbackPoint:
     """This rank's own state as it was before its latest optimizer step (version ``step``): its packed
     shard, each shard's optimizer state that is not per element (Adam's step count), every parameter
     group's hyperparameters (a schedule moves the learning rate after the step) and the model's
-    buffers as averaged after the step before."""
+    buffers as averaged after the step before (:meth:`BufferAverager.starting_point`; None: none)."""
 
     step: int
     entries: list[Entry]
     flats: dict[torch.dtype, torch.Tensor]
     scalars: dict[tuple[int, int], dict[str, Any]]
     groups: list[dict[str, Any]]
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    steps_with_buffers: int = 0
+    buffers: torch.Tensor | None
+    steps_with_buffers: int
+
+    def optimizer_states(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """Each shard's optimizer state by its place ``(block, index)``, per-element entries None (they
+        come with the rebuilt shards); shards without state left out."""
+        states = {place: dict(scalars) for place, scalars in self.scalars.items()}
+        for e in self.entries:
+            if e.key:
+                states[(e.block, e.index)][e.key] = None
+        return {place: state for place, state in states.items() if state}
 
 
 def _copied(value: Any) -> Any:
@@ -122,11 +132,11 @@ def take_rollback_point(
     blocks: Sequence[ParameterBlock],
     optimizer: torch.optim.Optimizer,
     step: int,
-    buffers: Sequence[torch.Tensor],
+    averager: BufferAverager | None,
     steps_with_buffers: int,
 ) -> RollbackPoint:
     """Local: this rank's state before the optimizer step that makes ``step + 1`` (taken in the step's
-    pre-hook; ``buffers`` are those kept after the step before, see :func:`copy_buffers`)."""
+    pre-hook; the buffers from ``averager``, as its last sync left them)."""
     entries, flats = pack(blocks, optimizer)
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     for j, block in enumerate(blocks):
@@ -138,24 +148,19 @@ def take_rollback_point(
                 if not is_per_element(key, value, shard.shape)
             }
     groups = [{k: _copied(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return RollbackPoint(step, entries, flats, scalars, groups, list(buffers), steps_with_buffers)
-
-
-def copy_buffers(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The model's buffers as they are now (after a step's averaging), for the next rollback point."""
-    return [b.detach().clone() for b in buffers]
+    buffers = averager.starting_point() if averager is not None else None
+    return RollbackPoint(step, entries, flats, scalars, groups, buffers, steps_with_buffers)
 
 
 def restore_rollback_settings(
-    optimizer: torch.optim.Optimizer, point: RollbackPoint, buffers: Sequence[torch.Tensor]
+    optimizer: torch.optim.Optimizer, point: RollbackPoint, averager: BufferAverager | None
 ) -> None:
     """Put back what a rollback point kept besides the shards: the groups' hyperparameters and the
     buffers (the shards and their optimizer state are rebuilt by the caller)."""
     for group, settings in zip(optimizer.param_groups, point.groups, strict=True):
         group.update({k: _copied(v) for k, v in settings.items()})
-    with torch.no_grad():
-        for live, kept in zip(buffers, point.buffers, strict=True):
-            live.copy_(kept)
+    if averager is not None and point.buffers is not None:  # the same buffers: the regroup rebuilt it
+        averager.restore(point.buffers)
 
 
 def entries_to_plain(entries: Sequence[Entry]) -> list[list[Any]]:

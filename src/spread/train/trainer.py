@@ -552,8 +552,7 @@ class Trainer:
                 cbs.call("on_train_batch_begin", step, {})
                 started = time.perf_counter()
                 applied, steps_before = self.strategy.recovery_progress[0], self.global_step
-                norms_before = self.grad_norm_sums.clone() if recovering else None
-                if recovering:  # what a survivor goes back to if the strategy must undo its last step
+                if recovering:  # what a survivor goes back to: this step repeated, or the one before
                     self._keep_loop_state(applied, position)
                 try:
                     with record_function("spread.step"):
@@ -563,8 +562,7 @@ class Trainer:
                         raise
                     lost = exc
                     if self.strategy.recovery_progress[0] == applied:  # the step did not take: repeat it
-                        if norms_before is not None:
-                            self.grad_norm_sums = norms_before
+                        self.grad_norm_sums = self._loop_states[applied]["grad_norm_sums"].clone()
                         break
                     # The weights took this step before the failure (in the buffers' averaging): keep it.
                     assert self._step_packed is not None
@@ -617,23 +615,23 @@ class Trainer:
                     if not recovering:
                         raise
                     lost = exc  # the epoch ends again, at the new world size
-            if lost is None and not admitting:
-                if self.lr_schedule is not None:
-                    self.lr_schedule.after_epoch(logs, has_validation)
-                try:
-                    cbs.call("on_epoch_end", epoch, logs)
-                except PEER_FAILURES as exc:  # a save at the epoch's end, say
-                    if not recovering:
-                        raise
-                    # The epoch ended on this rank: the job goes on at the next one; the callbacks
-                    # after the one that failed miss this end (as a step's on_train_batch_end).
-                    lost = exc
-                    position = {"epoch": epoch + 1, "batch": 0, "sums": torch.zeros_like(sums.totals)}
-                else:
-                    if self.stop_training:
-                        break
-                    epoch += 1
-                    continue
+                if lost is None:
+                    if self.lr_schedule is not None:
+                        self.lr_schedule.after_epoch(logs, has_validation)
+                    try:
+                        cbs.call("on_epoch_end", epoch, logs)
+                    except PEER_FAILURES as exc:  # a save at the epoch's end, say
+                        if not recovering:
+                            raise
+                        # The epoch ended on this rank: the job goes on at the next one; the callbacks
+                        # after the one that failed miss this end (as a step's on_train_batch_end).
+                        lost = exc
+                        position = {"epoch": epoch + 1, "batch": 0, "sums": torch.zeros_like(sums.totals)}
+                    else:
+                        if self.stop_training:
+                            break
+                        epoch += 1
+                        continue
             assert redistribute is not None
             batches.close()  # type: ignore[attr-defined]  # its reading thread stops now
             resume = self._recover(position, lost)
